@@ -1,0 +1,34 @@
+"""RL objectives as pure torch functions: advantage estimators, policy losses, corrections.
+
+No engine, no I/O: every function maps tensors to tensors (plus metrics as Python floats).
+"""
+
+from .advantages import compute_advantages, dr_grpo, grpo, reinforce_pp, rloo
+from .config import (
+    ADVANTAGE_ESTIMATORS,
+    KL_ESTIMATORS,
+    LOSS_AGGREGATIONS,
+    OFF_POLICY_CORRECTIONS,
+    AlgorithmConfig,
+    validate_algorithm,
+)
+from .losses import aggregate, kl_penalty, policy_loss, ppo_clip_loss, truncated_is_weights
+
+__all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "KL_ESTIMATORS",
+    "LOSS_AGGREGATIONS",
+    "OFF_POLICY_CORRECTIONS",
+    "AlgorithmConfig",
+    "aggregate",
+    "compute_advantages",
+    "dr_grpo",
+    "grpo",
+    "kl_penalty",
+    "policy_loss",
+    "ppo_clip_loss",
+    "reinforce_pp",
+    "rloo",
+    "truncated_is_weights",
+    "validate_algorithm",
+]

@@ -1,0 +1,142 @@
+"""The experience buffer: finished trajectories in, whole groups out.
+
+Writers add finished trajectories; a group becomes visible to the sampler only when all its
+samples have finished (GRPO needs the whole group). Samplers are pluggable:
+
+* ``fifo`` -- groups in completion order (the ``laminar`` schedule's default);
+* ``by_batch`` -- step ``s`` takes exactly the groups admitted for step ``s`` (tag
+  ``batch_tag``), which is what bounds staleness for ``sync``, ``one_step`` and ``stale:K``.
+
+Every trajectory id is accepted once and consumed once; a second write or a second
+consumption raises, so loss or duplication cannot go unnoticed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+
+from laminar_core.types import Group, TrainBatch, Trajectory
+
+
+class DuplicateTrajectoryError(RuntimeError):
+    pass
+
+
+class _Sampler:
+    def add(self, group: Group) -> None: ...
+    def ready(self, step: int, n: int) -> bool: ...
+    def take(self, step: int, n: int) -> list[Group]: ...
+    def __len__(self) -> int: ...
+    def groups(self) -> list[Group]: ...
+
+
+class FifoSampler(_Sampler):
+    def __init__(self) -> None:
+        self._q: deque[Group] = deque()
+
+    def add(self, group: Group) -> None:
+        self._q.append(group)
+
+    def ready(self, step: int, n: int) -> bool:
+        return len(self._q) >= n
+
+    def take(self, step: int, n: int) -> list[Group]:
+        return [self._q.popleft() for _ in range(n)]
+
+    def __len__(self) -> int:
+        return len(self._q)
+
+    def groups(self) -> list[Group]:
+        return list(self._q)
+
+
+class ByBatchSampler(_Sampler):
+    def __init__(self) -> None:
+        self._by_tag: dict[int, list[Group]] = {}
+
+    def add(self, group: Group) -> None:
+        self._by_tag.setdefault(group.batch_tag, []).append(group)
+
+    def ready(self, step: int, n: int) -> bool:
+        return len(self._by_tag.get(step, ())) >= n
+
+    def take(self, step: int, n: int) -> list[Group]:
+        groups = self._by_tag.pop(step)
+        groups.sort(key=lambda g: g.prompt_index)
+        return groups
+
+    def __len__(self) -> int:
+        return sum(len(v) for v in self._by_tag.values())
+
+    def groups(self) -> list[Group]:
+        return [g for v in self._by_tag.values() for g in v]
+
+
+SAMPLERS = {"fifo": FifoSampler, "by_batch": ByBatchSampler}
+
+
+class ExperienceBuffer:
+    def __init__(self, sampler: str = "fifo") -> None:
+        if sampler not in SAMPLERS:
+            raise ValueError(f"unknown sampler {sampler!r}; known: {', '.join(sorted(SAMPLERS))}")
+        self.sampler_name = sampler
+        self._sampler: _Sampler = SAMPLERS[sampler]()
+        self._open: dict[str, tuple[Group, int]] = {}  # group id -> (group, samples expected)
+        self._seen: set[str] = set()
+        self._consumed: set[str] = set()
+        self._changed = asyncio.Event()
+        self.groups_released = 0
+
+    def expect(self, group_id: str, prompt_index: int, samples: int, batch_tag: int = -1) -> None:
+        """Announce a group before its first trajectory is written."""
+        self._open[group_id] = (Group(group_id, prompt_index, [], batch_tag), samples)
+
+    def write(self, traj: Trajectory) -> None:
+        if traj.traj_id in self._seen:
+            raise DuplicateTrajectoryError(f"trajectory {traj.traj_id} written twice")
+        entry = self._open.get(traj.group_id)
+        if entry is None:
+            raise KeyError(f"trajectory {traj.traj_id}: group {traj.group_id} was not expected")
+        self._seen.add(traj.traj_id)
+        group, samples = entry
+        group.trajectories.append(traj)
+        if len(group.trajectories) == samples:
+            del self._open[traj.group_id]
+            group.trajectories.sort(key=lambda t: t.traj_id)
+            self._sampler.add(group)
+            self.groups_released += 1
+            self._changed.set()
+
+    def ready(self, step: int, n: int) -> bool:
+        return self._sampler.ready(step, n)
+
+    async def sample(self, step: int, n: int) -> TrainBatch:
+        """Wait until the sampler can give ``n`` whole groups for ``step``, then take them."""
+        while not self._sampler.ready(step, n):
+            self._changed.clear()
+            await self._changed.wait()
+        groups = self._sampler.take(step, n)
+        for g in groups:
+            for t in g.trajectories:
+                if t.traj_id in self._consumed:
+                    raise DuplicateTrajectoryError(f"trajectory {t.traj_id} consumed twice")
+                self._consumed.add(t.traj_id)
+        return TrainBatch(step, groups)
+
+    @property
+    def consumed(self) -> int:
+        return len(self._consumed)
+
+    @property
+    def buffered_groups(self) -> int:
+        return len(self._sampler)
+
+    def buffered_trajectory_ids(self) -> list[str]:
+        return [t.traj_id for g in self._sampler.groups() for t in g.trajectories]
+
+    def open_trajectory_ids(self) -> list[str]:
+        return [t.traj_id for g, _ in self._open.values() for t in g.trajectories]
+
+    def state_dict(self) -> dict:
+        return {"consumed": sorted(self._consumed), "seen": sorted(self._seen)}

@@ -1,0 +1,96 @@
+"""The prompt pool: an endless, seeded, resumable stream of prompt groups."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class Prompt:
+    """One dataset row as the loop needs it. ``num_tokens`` is used when ``ids`` is empty."""
+
+    ids: list[int] = field(default_factory=list)
+    num_tokens: int = 0
+    metadata: dict = field(default_factory=dict)
+
+
+class SyntheticPrompts:
+    """Prompts of uniformly random length in ``[min_tokens, max_tokens]``, no token ids.
+
+    What the simulator feeds on; lengths are a pure function of ``(seed, index)``.
+    """
+
+    def __init__(self, size: int, min_tokens: int, max_tokens: int, seed: int = 0) -> None:
+        if size < 1 or min_tokens < 1 or max_tokens < min_tokens:
+            raise ValueError(
+                f"synthetic prompts need size >= 1 and 1 <= min_tokens <= max_tokens "
+                f"(got size={size}, min={min_tokens}, max={max_tokens})"
+            )
+        self._size, self._lo, self._hi, self._seed = size, min_tokens, max_tokens, seed
+
+    def __len__(self) -> int:
+        return self._size
+
+    def __getitem__(self, i: int) -> Prompt:
+        rng = random.Random(self._seed * 1_000_003 + i)
+        return Prompt(num_tokens=rng.randint(self._lo, self._hi))
+
+
+@dataclass(slots=True)
+class PromptGroup:
+    """One sampled prompt and how many samples (trajectories) to draw from it."""
+
+    index: int  # global position in the stream, across epochs
+    group_id: str
+    prompt: Prompt
+    samples: int
+
+
+class PromptPool:
+    """Walks a dataset in a seeded random order, epoch after epoch.
+
+    ``state_dict()`` / ``load_state_dict()`` capture the position so a resumed run continues
+    with the very next prompt.
+    """
+
+    def __init__(self, dataset: Sequence[Prompt], samples_per_prompt: int, seed: int = 0,
+                 shuffle: bool = True) -> None:
+        if len(dataset) == 0:
+            raise ValueError("the prompt dataset is empty")
+        if samples_per_prompt < 1:
+            raise ValueError(f"samples_per_prompt must be >= 1 (got {samples_per_prompt})")
+        self.dataset = dataset
+        self.samples = samples_per_prompt
+        self.seed = seed
+        self.shuffle = shuffle
+        self.position = 0  # prompts handed out so far
+        self._epoch = -1
+        self._order: list[int] = []
+
+    def _order_for(self, epoch: int) -> list[int]:
+        if epoch != self._epoch:
+            order = list(range(len(self.dataset)))
+            if self.shuffle:
+                random.Random(self.seed * 7919 + epoch).shuffle(order)
+            self._epoch, self._order = epoch, order
+        return self._order
+
+    @property
+    def epoch(self) -> int:
+        return self.position // len(self.dataset)
+
+    def next_group(self) -> PromptGroup:
+        i = self.position
+        epoch, k = divmod(i, len(self.dataset))
+        row = self._order_for(epoch)[k]
+        self.position += 1
+        return PromptGroup(i, f"g{i}", self.dataset[row], self.samples)
+
+    def state_dict(self) -> dict:
+        return {"position": self.position, "seed": self.seed}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.position = int(state["position"])
+        self.seed = int(state.get("seed", self.seed))

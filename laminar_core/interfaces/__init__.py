@@ -1,0 +1,15 @@
+"""The four interfaces an engine implements. Plugins import from here or ``laminar_core``."""
+
+from laminar_core.interfaces.repack import RepackPolicy
+from laminar_core.interfaces.rollout import ReplicaFailure, RolloutEngine
+from laminar_core.interfaces.trainer import TrainerContext, TrainerEngine
+from laminar_core.interfaces.transport import WeightTransport
+
+__all__ = [
+    "RepackPolicy",
+    "ReplicaFailure",
+    "RolloutEngine",
+    "TrainerContext",
+    "TrainerEngine",
+    "WeightTransport",
+]

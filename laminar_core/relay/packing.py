@@ -1,0 +1,133 @@
+"""Turning named tensors into checksummed buckets and back.
+
+Tensors are laid end to end in one byte stream which is cut into equal buckets (the last may
+be shorter); a tensor may span buckets. Packing streams: it holds one bucket at a time, so
+peak memory stays at one bucket beyond the tensors themselves. ``meta`` tensors (the
+simulator's) become *phantom* buckets that carry a size and no bytes.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterable, Iterator
+
+import torch
+
+from laminar_core.types import Bucket, TensorSpec, WeightManifest
+
+
+class WeightIntegrityError(ValueError):
+    """A bucket or manifest that fails its checks; the receiver keeps its last good version."""
+
+
+def checksum(data: bytes | bytearray | memoryview) -> int:
+    return zlib.crc32(data)
+
+
+def _tensor_bytes(t: torch.Tensor) -> memoryview:
+    t = t.detach().contiguous().cpu()
+    # View as bytes through uint8 so every dtype (bf16 included) round-trips exactly.
+    return memoryview(t.view(torch.uint8).reshape(-1).numpy()) if t.numel() else memoryview(b"")
+
+
+class BucketPacker:
+    """Iterate ``buckets()`` first; ``manifest`` is complete once it is exhausted."""
+
+    def __init__(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,
+                 bucket_bytes: int) -> None:
+        if bucket_bytes < 1:
+            raise ValueError(f"bucket_bytes must be >= 1 (got {bucket_bytes})")
+        self._it = named_tensors
+        self.version = version
+        self.bucket_bytes = bucket_bytes
+        self.tensors: list[TensorSpec] = []
+        self.sizes: list[int] = []
+        self.checksums: list[int] = []
+        self.phantom: bool | None = None
+
+    @property
+    def manifest(self) -> WeightManifest:
+        return WeightManifest(self.version, self.tensors, self.sizes, self.checksums)
+
+    def _emit(self, data: bytearray | None, nbytes: int) -> Bucket:
+        crc = -1 if data is None else checksum(data)
+        self.sizes.append(nbytes)
+        self.checksums.append(crc)
+        return Bucket(self.version, len(self.sizes) - 1, nbytes, crc,
+                      None if data is None else bytes(data))
+
+    def buckets(self) -> Iterator[Bucket]:
+        size = self.bucket_bytes
+        buf = bytearray()
+        fill = 0  # bytes in the current bucket (phantom buckets count without storing)
+        offset = 0
+        for name, t in self._it:
+            is_meta = t.device.type == "meta"
+            if self.phantom is None:
+                self.phantom = is_meta
+            elif self.phantom != is_meta:
+                raise ValueError("cannot mix meta (simulated) and real tensors in one version")
+            nbytes = t.numel() * t.element_size()
+            self.tensors.append(TensorSpec(name, tuple(t.shape), str(t.dtype).removeprefix(
+                "torch."), offset // size, offset, nbytes))
+            offset += nbytes
+            if is_meta:
+                fill += nbytes
+                while fill >= size:
+                    fill -= size
+                    yield self._emit(None, size)
+                continue
+            view = _tensor_bytes(t)
+            pos = 0
+            while pos < nbytes:
+                take = min(size - len(buf), nbytes - pos)
+                buf += view[pos:pos + take]
+                pos += take
+                if len(buf) == size:
+                    yield self._emit(buf, size)
+                    buf = bytearray()
+        if self.phantom and fill:
+            yield self._emit(None, fill)
+        elif buf:
+            yield self._emit(buf, len(buf))
+
+
+def verify_bucket(bucket: Bucket, expected_size: int | None = None) -> None:
+    """Raise ``WeightIntegrityError`` if ``bucket`` is truncated or its checksum is wrong."""
+    if bucket.data is None:
+        return
+    if len(bucket.data) != bucket.nbytes or (
+        expected_size is not None and bucket.nbytes != expected_size
+    ):
+        raise WeightIntegrityError(
+            f"version {bucket.version} bucket {bucket.index}: truncated "
+            f"({len(bucket.data)} bytes, expected {expected_size or bucket.nbytes})"
+        )
+    if checksum(bucket.data) != bucket.checksum:
+        raise WeightIntegrityError(
+            f"version {bucket.version} bucket {bucket.index}: checksum mismatch (corrupt bytes)"
+        )
+
+
+def unpack(manifest: WeightManifest, buckets: list[Bucket]
+           ) -> Iterator[tuple[str, torch.Tensor]] | None:
+    """The named tensors of a complete version, or ``None`` for a phantom (simulated) one."""
+    if not buckets or buckets[0].data is None:
+        return None
+    size = manifest.bucket_sizes[0]
+
+    def gen() -> Iterator[tuple[str, torch.Tensor]]:
+        for spec in manifest.tensors:
+            raw = bytearray()
+            pos, end = spec.offset, spec.offset + spec.nbytes
+            while pos < end:
+                b, off = divmod(pos, size)
+                take = min(end - pos, size - off)
+                raw += memoryview(buckets[b].data)[off:off + take]
+                pos += take
+            dtype = getattr(torch, spec.dtype)
+            empty = torch.empty(0, dtype=torch.uint8)
+            t = torch.frombuffer(raw, dtype=torch.uint8) if raw else empty
+            yield spec.name, t.view(dtype).reshape(spec.shape)
+
+    return gen()

@@ -1,0 +1,201 @@
+"""Plain data types shared by every part of Laminar.
+
+They cross process boundaries (Ray, later), so they hold only builtins, lists and
+tensors -- never an engine object. A simulated engine does not materialise token ids:
+it leaves ``*_ids`` empty and reports lengths through ``num_prompt_tokens`` /
+``num_response_tokens``; real engines fill both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+
+class FinishReason(str, Enum):
+    """Why a trajectory stopped generating."""
+
+    STOP = "stop"  # end-of-sequence or a stop string
+    LENGTH = "length"  # hit max_tokens
+    ABORTED = "aborted"  # cut off (repack, partial rollout, replica failure)
+    FAILED = "failed"  # reward or engine error; ``Trajectory.error`` says which
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """Sampling settings of one request; identical on resume so a trajectory stays one sample."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int = 16384
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class PartialTrajectory:
+    """What an in-flight trajectory has produced so far.
+
+    Returned by ``RolloutEngine.abort`` and ``RolloutEngine.partials``; passed back as
+    ``GenerationRequest.resume`` to continue generation on any replica holding ``version``.
+    """
+
+    traj_id: str
+    version: int
+    response_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    num_response_tokens: int = 0
+    versions: list[int] = field(default_factory=list)  # one entry per segment, oldest first
+
+
+@dataclass(slots=True)
+class GenerationRequest:
+    """One trajectory to generate: a prompt, its sampling params, optionally a prefix to resume."""
+
+    traj_id: str
+    group_id: str
+    prompt_ids: list[int] = field(default_factory=list)
+    num_prompt_tokens: int = 0
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    resume: PartialTrajectory | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.prompt_ids and not self.num_prompt_tokens:
+            self.num_prompt_tokens = len(self.prompt_ids)
+
+
+@dataclass(slots=True)
+class Trajectory:
+    """One finished sample.
+
+    ``version`` is the weight version that generated it. Under partial rollout (``stale:K``
+    with ``partial_rollout``) several versions may have contributed; ``versions`` lists them
+    oldest first and ``version`` is the oldest, which is what staleness is measured against.
+    """
+
+    traj_id: str
+    group_id: str
+    version: int
+    prompt_ids: list[int] = field(default_factory=list)
+    response_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    num_prompt_tokens: int = 0
+    num_response_tokens: int = 0
+    finish_reason: FinishReason = FinishReason.STOP
+    versions: list[int] = field(default_factory=list)
+    reward: float | None = None
+    error: str | None = None
+    replicas: list[str] = field(default_factory=list)  # replica history, first to last
+    start_time: float = 0.0
+    finish_time: float = 0.0
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prompt_tokens + self.num_response_tokens
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """A replica's load as its scheduler sees it."""
+
+    running: int
+    waiting: int
+    kv_use: float  # 0..1 share of KV capacity in use
+    kv_capacity_tokens: int
+    version: int
+    healthy: bool = True
+
+
+@dataclass(slots=True)
+class TensorSpec:
+    """Where one named tensor lives inside a bucket."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    bucket: int
+    offset: int
+    nbytes: int
+
+
+@dataclass(slots=True)
+class WeightManifest:
+    """Everything a receiver needs to check and unpack one weight version.
+
+    A bucket whose ``data`` is ``None`` is *phantom*: the simulator moves only its size.
+    """
+
+    version: int
+    tensors: list[TensorSpec]
+    bucket_sizes: list[int]
+    checksums: list[int]  # crc32 per bucket; -1 for phantom buckets
+
+    @property
+    def num_buckets(self) -> int:
+        return len(self.bucket_sizes)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.bucket_sizes)
+
+
+@dataclass(slots=True)
+class Bucket:
+    """One contiguous chunk of a weight version on the wire."""
+
+    version: int
+    index: int
+    nbytes: int
+    checksum: int = -1
+    data: bytes | bytearray | memoryview | None = None
+
+
+@dataclass(slots=True)
+class Group:
+    """The samples of one prompt (a GRPO group), released to the trainer only when all finished."""
+
+    group_id: str
+    prompt_index: int
+    trajectories: list[Trajectory]
+    batch_tag: int = -1  # the trainer step it was admitted for (bounded-staleness schedules)
+
+
+@dataclass(slots=True)
+class TrainBatch:
+    """What a trainer step consumes: whole groups, in sampler order."""
+
+    step: int
+    groups: list[Group]
+
+    @property
+    def trajectories(self) -> list[Trajectory]:
+        return [t for g in self.groups for t in g.trajectories]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(t.num_tokens for g in self.groups for t in g.trajectories)
+
+
+@dataclass(slots=True)
+class ReplicaState:
+    """Snapshot of one replica that a ``RepackPolicy`` plans from."""
+
+    replica_id: str
+    version: int
+    kv_use: float
+    prev_kv_use: float
+    running: int  # unfinished requests, running + waiting
+    traj_ids: list[str]
+    alive: bool = True
+
+
+@dataclass(slots=True, frozen=True)
+class Move:
+    """Move ``traj_ids`` (unfinished) from ``source`` to ``destination``."""
+
+    source: str
+    destination: str
+    traj_ids: tuple[str, ...]
