@@ -55,8 +55,13 @@ class PromptPool:
     with the very next prompt.
     """
 
-    def __init__(self, dataset: Sequence[Prompt], samples_per_prompt: int, seed: int = 0,
-                 shuffle: bool = True) -> None:
+    def __init__(
+        self,
+        dataset: Sequence[Prompt],
+        samples_per_prompt: int,
+        seed: int = 0,
+        shuffle: bool = True,
+    ) -> None:
         if len(dataset) == 0:
             raise ValueError("the prompt dataset is empty")
         if samples_per_prompt < 1:

@@ -33,8 +33,9 @@ class Schedule:
     partial_rollout: bool = False
     max_ahead_batches: float = 2.0
 
-    def admits(self, batch_tag: int, replica_version: int, outstanding_groups: int,
-               groups_per_step: int) -> bool:
+    def admits(
+        self, batch_tag: int, replica_version: int, outstanding_groups: int, groups_per_step: int
+    ) -> bool:
         """May a replica at ``replica_version`` take a group admitted for ``batch_tag``?"""
         if self.max_lag is None:
             return outstanding_groups < self.max_ahead_batches * groups_per_step
@@ -51,20 +52,23 @@ def _no_arg(name: str, arg: str | None) -> None:
         raise ScheduleError(f"schedule {name!r} takes no argument (got {name}:{arg})")
 
 
-def make_sync(arg: str | None = None, partial_rollout: bool = False,
-              max_ahead_batches: float = 2.0) -> Schedule:
+def make_sync(
+    arg: str | None = None, partial_rollout: bool = False, max_ahead_batches: float = 2.0
+) -> Schedule:
     _no_arg("sync", arg)
     return Schedule("sync", 0, "by_batch")
 
 
-def make_one_step(arg: str | None = None, partial_rollout: bool = False,
-                  max_ahead_batches: float = 2.0) -> Schedule:
+def make_one_step(
+    arg: str | None = None, partial_rollout: bool = False, max_ahead_batches: float = 2.0
+) -> Schedule:
     _no_arg("one_step", arg)
     return Schedule("one_step", 1, "by_batch")
 
 
-def make_stale(arg: str | None = None, partial_rollout: bool = False,
-               max_ahead_batches: float = 2.0) -> Schedule:
+def make_stale(
+    arg: str | None = None, partial_rollout: bool = False, max_ahead_batches: float = 2.0
+) -> Schedule:
     try:
         k = int(arg) if arg is not None else None
     except ValueError:
@@ -76,8 +80,9 @@ def make_stale(arg: str | None = None, partial_rollout: bool = False,
     return Schedule(f"stale:{k}", k, "by_batch", partial_rollout=partial_rollout)
 
 
-def make_laminar(arg: str | None = None, partial_rollout: bool = False,
-                 max_ahead_batches: float = 2.0) -> Schedule:
+def make_laminar(
+    arg: str | None = None, partial_rollout: bool = False, max_ahead_batches: float = 2.0
+) -> Schedule:
     _no_arg("laminar", arg)
     if max_ahead_batches <= 0:
         raise ScheduleError(f"buffer.max_ahead_batches must be > 0 (got {max_ahead_batches})")

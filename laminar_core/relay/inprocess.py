@@ -10,7 +10,7 @@ import asyncio
 from collections import defaultdict
 from typing import Any
 
-from laminar_core.interfaces import WeightTransport
+from laminar_core.interfaces import BuildContext, WeightTransport
 from laminar_core.types import Bucket
 
 
@@ -22,6 +22,10 @@ class InProcessFabric:
 
 
 class InProcessTransport(WeightTransport):
+    @classmethod
+    def from_config(cls, ctx: BuildContext) -> InProcessTransport:
+        return cls(ctx.shared.setdefault("inprocess_fabric", InProcessFabric()))
+
     def __init__(self, fabric: InProcessFabric | None = None) -> None:
         self.fabric = fabric or InProcessFabric()
         self.rank = -1

@@ -11,8 +11,9 @@ from __future__ import annotations
 import math
 
 
-def chain_latency(relays: int, model_bytes: float, chunks: int, t_byte: float,
-                  t_start: float) -> float:
+def chain_latency(
+    relays: int, model_bytes: float, chunks: int, t_byte: float, t_start: float
+) -> float:
     """Predicted seconds for the last relay of the chain to hold the whole model."""
     if relays <= 1:
         return 0.0
@@ -20,8 +21,9 @@ def chain_latency(relays: int, model_bytes: float, chunks: int, t_byte: float,
     return (relays + k - 2) * (model_bytes / k * t_byte + t_start)
 
 
-def optimal_chunks(relays: int, model_bytes: float, t_byte: float, t_start: float,
-                   max_chunks: int = 4096) -> int:
+def optimal_chunks(
+    relays: int, model_bytes: float, t_byte: float, t_start: float, max_chunks: int = 4096
+) -> int:
     """``k*`` rounded to the better neighbouring integer, within ``[1, max_chunks]``."""
     if relays <= 2 or t_start <= 0:
         return 1 if t_start > 0 or relays <= 2 else max_chunks

@@ -33,8 +33,9 @@ def _tensor_bytes(t: torch.Tensor) -> memoryview:
 class BucketPacker:
     """Iterate ``buckets()`` first; ``manifest`` is complete once it is exhausted."""
 
-    def __init__(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,
-                 bucket_bytes: int) -> None:
+    def __init__(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, bucket_bytes: int
+    ) -> None:
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be >= 1 (got {bucket_bytes})")
         self._it = named_tensors
@@ -53,8 +54,9 @@ class BucketPacker:
         crc = -1 if data is None else checksum(data)
         self.sizes.append(nbytes)
         self.checksums.append(crc)
-        return Bucket(self.version, len(self.sizes) - 1, nbytes, crc,
-                      None if data is None else bytes(data))
+        return Bucket(
+            self.version, len(self.sizes) - 1, nbytes, crc, None if data is None else bytes(data)
+        )
 
     def buckets(self) -> Iterator[Bucket]:
         size = self.bucket_bytes
@@ -68,8 +70,16 @@ class BucketPacker:
             elif self.phantom != is_meta:
                 raise ValueError("cannot mix meta (simulated) and real tensors in one version")
             nbytes = t.numel() * t.element_size()
-            self.tensors.append(TensorSpec(name, tuple(t.shape), str(t.dtype).removeprefix(
-                "torch."), offset // size, offset, nbytes))
+            self.tensors.append(
+                TensorSpec(
+                    name,
+                    tuple(t.shape),
+                    str(t.dtype).removeprefix("torch."),
+                    offset // size,
+                    offset,
+                    nbytes,
+                )
+            )
             offset += nbytes
             if is_meta:
                 fill += nbytes
@@ -81,7 +91,7 @@ class BucketPacker:
             pos = 0
             while pos < nbytes:
                 take = min(size - len(buf), nbytes - pos)
-                buf += view[pos:pos + take]
+                buf += view[pos : pos + take]
                 pos += take
                 if len(buf) == size:
                     yield self._emit(buf, size)
@@ -109,8 +119,9 @@ def verify_bucket(bucket: Bucket, expected_size: int | None = None) -> None:
         )
 
 
-def unpack(manifest: WeightManifest, buckets: list[Bucket]
-           ) -> Iterator[tuple[str, torch.Tensor]] | None:
+def unpack(
+    manifest: WeightManifest, buckets: list[Bucket]
+) -> Iterator[tuple[str, torch.Tensor]] | None:
     """The named tensors of a complete version, or ``None`` for a phantom (simulated) one."""
     if not buckets or buckets[0].data is None:
         return None
@@ -123,7 +134,7 @@ def unpack(manifest: WeightManifest, buckets: list[Bucket]
             while pos < end:
                 b, off = divmod(pos, size)
                 take = min(end - pos, size - off)
-                raw += memoryview(buckets[b].data)[off:off + take]
+                raw += memoryview(buckets[b].data)[off : off + take]
                 pos += take
             dtype = getattr(torch, spec.dtype)
             empty = torch.empty(0, dtype=torch.uint8)

@@ -45,9 +45,13 @@ class RelayTier:
     ``link_model()`` (``(t_byte, t_start)``) when it has one.
     """
 
-    def __init__(self, relays: list[NodeRelay],
-                 transport_factory: Callable[[int], WeightTransport],
-                 bucket_bytes: int = 64 << 20, chunks: int = 0) -> None:
+    def __init__(
+        self,
+        relays: list[NodeRelay],
+        transport_factory: Callable[[int], WeightTransport],
+        bucket_bytes: int = 64 << 20,
+        chunks: int = 0,
+    ) -> None:
         if not relays:
             raise ValueError("the relay tier needs at least one relay")
         self.relays = relays
@@ -83,8 +87,12 @@ class RelayTier:
             return max(1, math.ceil(model_bytes / k))
         return self.bucket_bytes
 
-    async def publish(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]],
-                      model_bytes: int | None = None) -> PublishResult:
+    async def publish(
+        self,
+        version: int,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        model_bytes: int | None = None,
+    ) -> PublishResult:
         """Push ``version`` to the master; return once the master holds it (the trainer's
         stall). The chain broadcast continues in the background."""
         loop = asyncio.get_running_loop()
@@ -151,8 +159,9 @@ class RelayTier:
             for relay, out in zip(chain, outcomes):
                 if isinstance(out, BaseException):
                     relay.abandon(version)
-                    log.error("relay %s failed to take version %s: %s", relay.relay_id,
-                              version, out)
+                    log.error(
+                        "relay %s failed to take version %s: %s", relay.relay_id, version, out
+                    )
 
         self._previous = asyncio.ensure_future(finish())
         return result

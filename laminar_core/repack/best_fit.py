@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from laminar_core.interfaces.build import BuildContext
 from laminar_core.interfaces.repack import RepackPolicy
 from laminar_core.types import Move, ReplicaState
 
@@ -54,6 +55,11 @@ class BestFitPolicy(RepackPolicy):
         batch_limit: ``B``, the roofline decode batch: the most requests a destination may
             hold (below it a decode step costs about the same as at it).
     """
+
+    @classmethod
+    def from_config(cls, ctx: BuildContext) -> BestFitPolicy:
+        """``C_max`` and ``B`` from ``repack.kv_limit`` and ``repack.batch_limit``."""
+        return cls(ctx.config.repack.kv_limit, ctx.config.repack.batch_limit)
 
     def __init__(self, kv_limit: float = 0.8, batch_limit: int = 64) -> None:
         if (

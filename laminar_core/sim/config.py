@@ -50,7 +50,7 @@ class SimTrainerConfig:
 
     gpu_seconds_per_token: float = 1e-4
     step_overhead_s: float = 1.0
-    scaling_efficiency: float = 1.0  # share of linear speed-up kept when GPUs are added
+    scaling_exponent: float = 1.0  # step time ~ 1 / gpus**exponent (1.0: linear speed-up)
 
 
 @dataclass

@@ -15,7 +15,7 @@ import math
 from collections import deque
 from collections.abc import Iterable
 
-from laminar_core.interfaces import ReplicaFailure, RolloutEngine
+from laminar_core.interfaces import BuildContext, ReplicaFailure, RolloutEngine
 from laminar_core.sim.config import SimRolloutConfig
 from laminar_core.sim.lengths import LengthModel
 from laminar_core.types import (
@@ -30,11 +30,26 @@ _EPS = 1e-6
 
 
 class _Req:
-    __slots__ = ("future", "kv_base", "prefix", "remaining", "request", "start_p", "start_time",
-                 "target", "versions")
+    __slots__ = (
+        "future",
+        "kv_base",
+        "prefix",
+        "remaining",
+        "request",
+        "start_p",
+        "start_time",
+        "target",
+        "versions",
+    )
 
-    def __init__(self, request: GenerationRequest, target: int, prefix: int, versions: list[int],
-                 future: asyncio.Future) -> None:
+    def __init__(
+        self,
+        request: GenerationRequest,
+        target: int,
+        prefix: int,
+        versions: list[int],
+        future: asyncio.Future,
+    ) -> None:
         self.request = request
         self.target = target
         self.prefix = prefix
@@ -49,8 +64,34 @@ class _Req:
 class SimRolloutEngine(RolloutEngine):
     """A simulated replica (see module docstring). ``index`` selects configured failures."""
 
-    def __init__(self, replica_id: str, config: SimRolloutConfig, lengths: LengthModel,
-                 index: int = 0, version: int = 0) -> None:
+    Options = SimRolloutConfig
+
+    @classmethod
+    def from_config(cls, ctx: BuildContext) -> SimRolloutEngine:
+        opts: SimRolloutConfig = ctx.options
+        cfg = ctx.config
+        max_tokens = cfg.rollout.max_tokens
+        if opts.lengths.kind == "lognormal":
+            lengths = LengthModel.lognormal(
+                opts.lengths.median, opts.lengths.p99_over_p50, max_tokens, seed=cfg.run.seed
+            )
+        elif opts.lengths.kind == "histogram":
+            lengths = LengthModel.histogram(opts.lengths.file, max_tokens, seed=cfg.run.seed)
+        else:
+            raise ValueError(
+                f"rollout.sim.lengths.kind: unknown '{opts.lengths.kind}'; "
+                "known: histogram, lognormal"
+            )
+        return cls(ctx.name, opts, lengths, index=ctx.index)
+
+    def __init__(
+        self,
+        replica_id: str,
+        config: SimRolloutConfig,
+        lengths: LengthModel,
+        index: int = 0,
+        version: int = 0,
+    ) -> None:
         self.replica_id = replica_id
         self.cfg = config
         self.lengths = lengths
@@ -120,8 +161,8 @@ class SimRolloutEngine(RolloutEngine):
                 dt = now - begin
                 step = self._step_time(n)
                 self._p = math.inf if step == 0 else self._p + dt / step
-                self.occupancy_seconds += dt * min(n, self.cfg.roofline_batch) / (
-                    self.cfg.roofline_batch
+                self.occupancy_seconds += (
+                    dt * min(n, self.cfg.roofline_batch) / (self.cfg.roofline_batch)
                 )
         self._last = now
 
@@ -196,10 +237,17 @@ class SimRolloutEngine(RolloutEngine):
         r = req.request
         reason = FinishReason.LENGTH if produced >= r.sampling.max_tokens else FinishReason.STOP
         traj = Trajectory(
-            traj_id=r.traj_id, group_id=r.group_id, version=req.versions[0],
-            prompt_ids=r.prompt_ids, num_prompt_tokens=r.num_prompt_tokens,
-            num_response_tokens=produced, finish_reason=reason, versions=req.versions,
-            replicas=[self.replica_id], start_time=req.start_time, finish_time=now,
+            traj_id=r.traj_id,
+            group_id=r.group_id,
+            version=req.versions[0],
+            prompt_ids=r.prompt_ids,
+            num_prompt_tokens=r.num_prompt_tokens,
+            num_response_tokens=produced,
+            finish_reason=reason,
+            versions=req.versions,
+            replicas=[self.replica_id],
+            start_time=req.start_time,
+            finish_time=now,
             metadata=r.metadata,
         )
         if not req.future.done():
@@ -212,7 +260,9 @@ class SimRolloutEngine(RolloutEngine):
         else:
             produced = req.prefix
         return PartialTrajectory(
-            traj_id=req.request.traj_id, version=self.version, num_response_tokens=produced,
+            traj_id=req.request.traj_id,
+            version=self.version,
+            num_response_tokens=produced,
             versions=list(req.versions),
         )
 
@@ -252,13 +302,18 @@ class SimRolloutEngine(RolloutEngine):
                 part = self._partial(req)
             out.append(part)
             if not req.future.done():
-                req.future.set_result(Trajectory(
-                    traj_id=tid, group_id=req.request.group_id, version=req.versions[0],
-                    num_prompt_tokens=req.request.num_prompt_tokens,
-                    num_response_tokens=part.num_response_tokens,
-                    finish_reason=FinishReason.ABORTED, versions=req.versions,
-                    replicas=[self.replica_id],
-                ))
+                req.future.set_result(
+                    Trajectory(
+                        traj_id=tid,
+                        group_id=req.request.group_id,
+                        version=req.versions[0],
+                        num_prompt_tokens=req.request.num_prompt_tokens,
+                        num_response_tokens=part.num_response_tokens,
+                        finish_reason=FinishReason.ABORTED,
+                        versions=req.versions,
+                        replicas=[self.replica_id],
+                    )
+                )
         if any(w.request.traj_id in wanted for w in self._waiting):
             self._waiting = deque(w for w in self._waiting if w.request.traj_id not in wanted)
         self._admit()
@@ -294,7 +349,9 @@ class SimRolloutEngine(RolloutEngine):
         self._advance()
         cap = self.cfg.kv_capacity_tokens
         return EngineStats(
-            running=len(self._running), waiting=len(self._waiting),
+            running=len(self._running),
+            waiting=len(self._waiting),
             kv_use=min(1.0, self._kv_tokens() / cap) if cap else 0.0,
-            kv_capacity_tokens=cap, version=self.version,
+            kv_capacity_tokens=cap,
+            version=self.version,
         )

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import torch
 
-from laminar_core.interfaces import TrainerContext, TrainerEngine
+from laminar_core.interfaces import BuildContext, TrainerContext, TrainerEngine
 from laminar_core.sim.config import SimTrainerConfig
 from laminar_core.types import TrainBatch
 
@@ -19,8 +19,24 @@ class SimTrainerEngine(TrainerEngine):
     of the right size, so a 72B model costs nothing to "move" but the right time.
     """
 
-    def __init__(self, config: SimTrainerConfig, gpus: int, param_count: int,
-                 dtype: torch.dtype = torch.bfloat16, num_tensors: int = 64) -> None:
+    Options = SimTrainerConfig
+
+    @classmethod
+    def from_config(cls, ctx: BuildContext) -> SimTrainerEngine:
+        model = ctx.config.model
+        dtype = getattr(torch, model.dtype, None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"model.dtype: unknown torch dtype '{model.dtype}'")
+        return cls(ctx.options, ctx.gpus, int(model.params_b * 1e9), dtype)
+
+    def __init__(
+        self,
+        config: SimTrainerConfig,
+        gpus: int,
+        param_count: int,
+        dtype: torch.dtype = torch.bfloat16,
+        num_tensors: int = 64,
+    ) -> None:
         if gpus < 1:
             raise ValueError(f"simulated trainer needs at least one GPU (got {gpus})")
         self.cfg = config
@@ -32,7 +48,7 @@ class SimTrainerEngine(TrainerEngine):
         self.tokens_trained = 0
 
     def step_seconds(self, tokens: int) -> float:
-        eff = self.gpus ** self.cfg.scaling_efficiency  # 1.0 = linear speed-up
+        eff = self.gpus**self.cfg.scaling_exponent  # 1.0 = linear speed-up
         return self.cfg.step_overhead_s + tokens * self.cfg.gpu_seconds_per_token / eff
 
     async def setup(self, ctx: TrainerContext) -> None:

@@ -11,7 +11,7 @@ import asyncio
 from collections import defaultdict
 from typing import Any
 
-from laminar_core.interfaces import WeightTransport
+from laminar_core.interfaces import BuildContext, WeightTransport
 from laminar_core.relay.tier import TRAINER_RANK
 from laminar_core.sim.config import SimTransportConfig
 from laminar_core.types import Bucket
@@ -23,6 +23,12 @@ class SimFabric:
 
 
 class SimTransport(WeightTransport):
+    Options = SimTransportConfig
+
+    @classmethod
+    def from_config(cls, ctx: BuildContext) -> SimTransport:
+        return cls(ctx.options, ctx.shared.setdefault("sim_fabric", SimFabric()))
+
     def __init__(self, config: SimTransportConfig, fabric: SimFabric) -> None:
         self.cfg = config
         self.fabric = fabric

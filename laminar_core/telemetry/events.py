@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,8 +22,7 @@ class EventLog:
     events: list[tuple[float, str, str, float, dict[str, Any]]] = field(default_factory=list)
     counts: Counter = field(default_factory=Counter)
 
-    def record(self, t: float, kind: str, actor: str, duration: float = 0.0,
-               **fields: Any) -> None:
+    def record(self, t: float, kind: str, actor: str, duration: float = 0.0, **fields: Any) -> None:
         self.counts[kind] += 1
         if self.enabled:
             self.events.append((t, kind, actor, duration, fields))
@@ -42,15 +42,19 @@ class EventLog:
             else:
                 ev.update(ph="i", s="t")
             out.append(ev)
-        meta = [{"name": "thread_name", "ph": "M", "pid": 1, "tid": tid,
-                 "args": {"name": actor}} for actor, tid in actors.items()]
+        meta = [
+            {"name": "thread_name", "ph": "M", "pid": 1, "tid": tid, "args": {"name": actor}}
+            for actor, tid in actors.items()
+        ]
         Path(path).write_text(json.dumps({"traceEvents": meta + out}))
 
     def write_jsonl(self, path: str | Path) -> None:
         with open(path, "w") as f:
             for t, kind, actor, dur, fields in self.events:
-                f.write(json.dumps({"t": t, "kind": kind, "actor": actor, "duration": dur,
-                                    **fields}) + "\n")
+                f.write(
+                    json.dumps({"t": t, "kind": kind, "actor": actor, "duration": dur, **fields})
+                    + "\n"
+                )
 
 
 class MetricsWriter:
@@ -59,9 +63,12 @@ class MetricsWriter:
     def __init__(self, path: str | Path | None) -> None:
         self._f = open(path, "a") if path else None  # noqa: SIM115 - lives as long as the run
         self.rows: list[dict[str, Any]] = []
+        self.on_row: Callable[[dict[str, Any]], None] | None = None  # e.g. console progress
 
     def write(self, row: dict[str, Any]) -> None:
         self.rows.append(row)
+        if self.on_row is not None:
+            self.on_row(row)
         if self._f is not None:
             self._f.write(json.dumps(row) + "\n")
             self._f.flush()

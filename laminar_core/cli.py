@@ -1,0 +1,98 @@
+"""The ``laminar`` command: train, simulate, config show, plugins.
+
+Every expected failure (bad config, bad data file, unknown engine) ends with one line on
+stderr that names the problem, and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from laminar_core.config import ConfigError, load_config
+from laminar_core.plugins import PluginResolveError, UnknownPluginError, default_manager
+from laminar_core.sim.lengths import LengthFileError
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="laminar", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    for name, help_ in [
+        ("train", "run the loop with the configured engines"),
+        ("simulate", "run the configured schedules on a virtual clock"),
+    ]:
+        s = sub.add_parser(name, help=help_)
+        s.add_argument("config", help="run config (YAML)")
+        s.add_argument("overrides", nargs="*", help="key=value overrides")
+        if name == "simulate":
+            s.add_argument("--out", help="write the result rows as JSON here")
+            s.add_argument("--schedules", help="comma-separated, replaces study.schedules")
+    c = sub.add_parser("config", help="config utilities")
+    csub = c.add_subparsers(dest="config_cmd", required=True)
+    show = csub.add_parser("show", help="print the resolved config")
+    show.add_argument("config")
+    show.add_argument("overrides", nargs="*")
+    sub.add_parser("plugins", help="list every discovered engine, transport, policy, schedule")
+    return p
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from laminar_core.sim.study import format_table, run_study, write_json
+
+    resolved = load_config(args.config, args.overrides)
+    schedules = None
+    if args.schedules:
+        schedules = [s.strip() for s in args.schedules.split(",") if s.strip()]
+        for spec in schedules:
+            resolved.schedule(spec)  # validate before running anything
+
+    def progress(row: dict) -> None:
+        where = f"[{row['point']}] " if row["point"] else ""
+        print(
+            f"  {where}{row['schedule']}: {row['throughput_tokens_per_s']:,.0f} tokens/s "
+            f"({row['wall_seconds']:.1f} s wall)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    rows = run_study(resolved, schedules=schedules, progress=progress)
+    print(format_table(rows))
+    if args.out:
+        write_json(rows, args.out)
+        print(f"wrote {args.out}")
+    return 0
+
+
+def _train(args: argparse.Namespace) -> int:
+    from laminar_core.runtime.train import train
+
+    resolved = load_config(args.config, args.overrides)
+    run_dir = train(resolved)
+    print(f"run directory: {run_dir}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.cmd == "plugins":
+            print(default_manager().format_table())
+            return 0
+        if args.cmd == "config":
+            print(load_config(args.config, args.overrides).to_yaml(), end="")
+            return 0
+        if args.cmd == "simulate":
+            return _simulate(args)
+        if args.cmd == "train":
+            return _train(args)
+    except (ConfigError, LengthFileError, UnknownPluginError, PluginResolveError) as e:
+        print(f"laminar: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("laminar: interrupted", file=sys.stderr)
+        return 130
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

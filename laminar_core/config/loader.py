@@ -1,0 +1,308 @@
+"""Loading, overriding and validating a run config -- before anything starts.
+
+Every error is a ``ConfigError`` whose one-line message names the full key path, the bad
+value and, where there is one, a close match or the list of known alternatives.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from laminar_core.algorithms.config import validate_algorithm
+from laminar_core.buffers.experience import SAMPLERS
+from laminar_core.config.schema import ENGINE_SECTIONS, LaminarConfig
+from laminar_core.loop.schedules import Schedule, ScheduleError, split_schedule_name
+from laminar_core.plugins import PluginManager, UnknownPluginError, default_manager
+
+
+class ConfigError(ValueError):
+    """A config that cannot run; the message says what and where."""
+
+
+@dataclass
+class ResolvedConfig:
+    """A validated config: the dataclass tree plus the chosen engines' validated options."""
+
+    cfg: LaminarConfig
+    engine_options: dict[str, Any] = field(default_factory=dict)  # section -> Options | None
+    source: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self.cfg)
+        for section, opts in self.engine_options.items():
+            if opts is not None:
+                key = getattr(self.cfg, section)
+                out[section][getattr(key, ENGINE_SECTIONS[section][0])] = dataclasses.asdict(opts)
+        return out
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def schedule(self, spec: str | None = None, pm: PluginManager | None = None) -> Schedule:
+        return make_schedule(spec or self.cfg.schedule, self.cfg, pm or default_manager())
+
+
+def _close(word: str, options: typing.Iterable[str], prefix: str = "") -> str:
+    m = difflib.get_close_matches(word, list(options), n=1, cutoff=0.6)
+    return f" (did you mean '{prefix}{m[0]}'?)" if m else ""
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except FileNotFoundError:
+        raise ConfigError(f"config file {p} not found") from None
+    except OSError as e:
+        raise ConfigError(f"config file {p}: cannot read ({e.strerror})") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"config file {p}: malformed YAML{where}: {problem}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"config file {p}: the top level must be a mapping of sections, "
+            f"got {type(data).__name__}"
+        )
+    return data
+
+
+def apply_overrides(raw: dict[str, Any], overrides: typing.Iterable[str]) -> dict[str, Any]:
+    """Apply ``a.b.c=value`` overrides (values parsed as YAML) to a nested dict, in place."""
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} is not of the form key=value")
+        try:
+            parsed = yaml.safe_load(value) if value.strip() else ""
+        except yaml.YAMLError:
+            parsed = value
+        node = raw
+        parts = key.split(".")
+        for part in parts[:-1]:
+            child = node.get(part)
+            if not isinstance(child, dict):
+                child = node[part] = {}
+            node = child
+        node[parts[-1]] = parsed
+    return raw
+
+
+def _check_keys(raw: Any, schema: type, path: str, extra: dict[str, set[str]]) -> None:
+    """Reject keys the dataclass ``schema`` does not have (recursively), with a close match.
+
+    ``extra`` maps a section path to additional allowed keys (engine option sections).
+    """
+    if not isinstance(raw, dict):
+        return
+    hints = typing.get_type_hints(schema)
+    allowed = set(hints) | extra.get(path, set())
+    for key, value in raw.items():
+        full = f"{path}.{key}" if path else str(key)
+        if key not in allowed:
+            raise ConfigError(
+                f"unknown config key '{full}'"
+                f"{_close(str(key), allowed, f'{path}.' if path else '')}; "
+                f"known keys here: {', '.join(sorted(allowed))}"
+            )
+        hint = hints.get(key)
+        if hint is not None and dataclasses.is_dataclass(hint):
+            if value is not None and not isinstance(value, dict):
+                raise ConfigError(
+                    f"config key '{full}' must be a mapping of "
+                    f"{', '.join(sorted(typing.get_type_hints(hint)))}; "
+                    f"got {value!r}"
+                )
+            _check_keys(value, hint, full, extra)
+
+
+def _structured(schema: type, raw: dict[str, Any], path: str) -> Any:
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(schema), raw)
+        return OmegaConf.to_object(merged)
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", "") or ""
+        full = ".".join(x for x in (path, str(key)) if x)
+        msg = str(e).splitlines()[0]
+        raise ConfigError(f"config key '{full}': {msg}") from None
+
+
+def _engine_options(
+    section: str, engine: str, raw: dict[str, Any] | None, pm: PluginManager
+) -> Any:
+    kind = ENGINE_SECTIONS[section][1]
+    try:
+        factory = pm.get(kind, engine)
+    except UnknownPluginError as e:
+        raise ConfigError(f"{section}.{ENGINE_SECTIONS[section][0]}: {e}") from None
+    options_cls = getattr(factory, "Options", None)
+    if options_cls is None:
+        if raw:
+            raise ConfigError(
+                f"config key '{section}.{engine}': {kind} '{engine}' takes no options"
+            )
+        return None
+    _check_keys(raw or {}, options_cls, f"{section}.{engine}", {})
+    return _structured(options_cls, raw or {}, f"{section}.{engine}")
+
+
+def make_schedule(spec: str, cfg: LaminarConfig, pm: PluginManager) -> Schedule:
+    name, arg = split_schedule_name(spec)
+    try:
+        factory = pm.get("schedule", name)
+    except UnknownPluginError as e:
+        raise ConfigError(f"schedule: {e}") from None
+    try:
+        return factory(
+            arg,
+            partial_rollout=cfg.rollout.partial_rollout,
+            max_ahead_batches=cfg.buffer.max_ahead_batches,
+        )
+    except ScheduleError as e:
+        raise ConfigError(f"schedule: {e}") from None
+
+
+def _positive(cfg: LaminarConfig) -> None:
+    rules = [
+        ("run.steps", cfg.run.steps, 0),
+        ("data.prompts_per_step", cfg.data.prompts_per_step, 1),
+        ("data.samples_per_prompt", cfg.data.samples_per_prompt, 1),
+        ("data.size", cfg.data.size, 1),
+        ("data.prompt_min_tokens", cfg.data.prompt_min_tokens, 1),
+        ("cluster.gpus", cfg.cluster.gpus, 1),
+        ("cluster.gpus_per_node", cfg.cluster.gpus_per_node, 1),
+        ("cluster.gpus_per_replica", cfg.cluster.gpus_per_replica, 1),
+        ("cluster.trainer_gpus", cfg.cluster.trainer_gpus, 1),
+        ("rollout.max_tokens", cfg.rollout.max_tokens, 1),
+        ("trainer.mini_batches", cfg.trainer.mini_batches, 1),
+        ("repack.batch_limit", cfg.repack.batch_limit, 1),
+        ("study.warmup_steps", cfg.study.warmup_steps, 0),
+    ]
+    for key, value, low in rules:
+        if value < low:
+            raise ConfigError(f"{key} must be >= {low} (got {value})")
+    for key, value in [
+        ("rollout.heartbeat_s", cfg.rollout.heartbeat_s),
+        ("rollout.heartbeat_timeout_s", cfg.rollout.heartbeat_timeout_s),
+        ("model.params_b", cfg.model.params_b),
+        ("buffer.max_ahead_batches", cfg.buffer.max_ahead_batches),
+    ]:
+        if not value > 0:
+            raise ConfigError(f"{key} must be > 0 (got {value})")
+    for key, value in [
+        ("repack.interval_s", cfg.repack.interval_s),
+        ("rollout.partial_sync_s", cfg.rollout.partial_sync_s),
+        ("relay.chunks", cfg.relay.chunks),
+        ("relay.bucket_mb", cfg.relay.bucket_mb),
+    ]:
+        if value < 0:
+            raise ConfigError(f"{key} must be >= 0 (got {value})")
+    if cfg.data.prompt_max_tokens < cfg.data.prompt_min_tokens:
+        raise ConfigError(
+            f"data.prompt_max_tokens ({cfg.data.prompt_max_tokens}) must be >= "
+            f"data.prompt_min_tokens ({cfg.data.prompt_min_tokens})"
+        )
+    if not 0 < cfg.repack.kv_limit <= 1:
+        raise ConfigError(f"repack.kv_limit must be in (0, 1] (got {cfg.repack.kv_limit})")
+    if cfg.rollout.max_concurrent < cfg.data.samples_per_prompt:
+        raise ConfigError(
+            f"rollout.max_concurrent ({cfg.rollout.max_concurrent}) must be >= "
+            f"data.samples_per_prompt ({cfg.data.samples_per_prompt}): a group "
+            "is placed on one replica"
+        )
+    c = cfg.cluster
+    if c.trainer_gpus >= c.gpus:
+        raise ConfigError(
+            f"cluster.trainer_gpus ({c.trainer_gpus}) must be < cluster.gpus "
+            f"({c.gpus}): the rest run rollout replicas"
+        )
+    if (c.gpus - c.trainer_gpus) < c.gpus_per_replica:
+        raise ConfigError(
+            f"cluster: {c.gpus - c.trainer_gpus} rollout GPUs cannot hold one "
+            f"replica of cluster.gpus_per_replica={c.gpus_per_replica}"
+        )
+
+
+def validate(cfg: LaminarConfig, pm: PluginManager) -> None:
+    """Semantic checks across sections (types were checked by OmegaConf)."""
+    _positive(cfg)
+    try:
+        validate_algorithm(cfg.algorithm)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    for spec in [cfg.schedule, *cfg.study.schedules]:
+        sched = make_schedule(spec, cfg, pm)
+        if cfg.buffer.sampler not in ("auto", *SAMPLERS):
+            raise ConfigError(
+                f"buffer.sampler: unknown '{cfg.buffer.sampler}'; known: auto, "
+                f"{', '.join(sorted(SAMPLERS))}{_close(cfg.buffer.sampler, SAMPLERS)}"
+            )
+        if sched.max_lag is not None and cfg.buffer.sampler == "fifo":
+            raise ConfigError(
+                f"buffer.sampler=fifo cannot bound staleness for schedule "
+                f"'{spec}'; use auto or by_batch"
+            )
+    if cfg.rollout.partial_rollout and not any(
+        split_schedule_name(s)[0] == "stale" for s in [cfg.schedule, *cfg.study.schedules]
+    ):
+        raise ConfigError(
+            "rollout.partial_rollout applies only to the stale:K schedule "
+            f"(schedule is '{cfg.schedule}')"
+        )
+    try:
+        pm.get("repack", cfg.repack.policy)
+    except UnknownPluginError as e:
+        raise ConfigError(f"repack.policy: {e}") from None
+
+
+def resolve(
+    raw: dict[str, Any],
+    overrides: typing.Iterable[str] = (),
+    pm: PluginManager | None = None,
+    source: str = "",
+) -> ResolvedConfig:
+    """Validate ``raw`` (a parsed YAML mapping) plus ``overrides`` into a ``ResolvedConfig``."""
+    pm = pm or default_manager()
+    raw = apply_overrides(dict(raw), overrides)
+    extra = {section: set(pm.names(kind)) for section, (_, kind) in ENGINE_SECTIONS.items()}
+    _check_keys(raw, LaminarConfig, "", extra)
+    engine_raw: dict[str, dict[str, Any]] = {}
+    plain = {k: (dict(v) if isinstance(v, dict) else v) for k, v in raw.items()}
+    for section in ENGINE_SECTIONS:
+        sec = plain.get(section)
+        if isinstance(sec, dict):
+            for name in list(sec):
+                if name in extra[section]:
+                    engine_raw.setdefault(section, {})[name] = sec.pop(name)
+    cfg: LaminarConfig = _structured(LaminarConfig, plain, "")
+    options = {}
+    for section, (key, _) in ENGINE_SECTIONS.items():
+        engine = getattr(getattr(cfg, section), key)
+        options[section] = _engine_options(
+            section, engine, engine_raw.get(section, {}).get(engine), pm
+        )
+    validate(cfg, pm)
+    return ResolvedConfig(cfg, options, source)
+
+
+def load_config(
+    path: str | Path | None, overrides: typing.Iterable[str] = (), pm: PluginManager | None = None
+) -> ResolvedConfig:
+    """Read ``path`` (or start from defaults when ``None``), apply overrides, validate."""
+    raw = read_yaml(path) if path is not None else {}
+    return resolve(raw, overrides, pm, source=str(path or ""))

@@ -1,0 +1,124 @@
+"""The run configuration: OmegaConf structured dataclasses, one YAML per run.
+
+Engine choice is a string (``rollout.engine=sim``); the engine's own options live under a
+key named after it (``rollout.sim: {...}``) and are validated by the plugin's ``Options``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from laminar_core.algorithms.config import AlgorithmConfig
+
+
+@dataclass
+class RunConfig:
+    name: str = "laminar"
+    seed: int = 0
+    steps: int = 10  # trainer steps (weight versions) to run
+    out_dir: str = "runs"
+
+
+@dataclass
+class ModelConfig:
+    params_b: float = 7.0  # billions of parameters (sizes weight transfers, simulated engines)
+    dtype: str = "bfloat16"
+
+
+@dataclass
+class DataConfig:
+    prompts_per_step: int = 512  # GRPO groups per trainer step
+    samples_per_prompt: int = 16
+    source: str = "synthetic"
+    size: int = 100_000  # synthetic dataset rows
+    prompt_min_tokens: int = 128
+    prompt_max_tokens: int = 1024
+    shuffle: bool = True
+
+
+@dataclass
+class ClusterConfig:
+    gpus: int = 16
+    gpus_per_node: int = 8
+    trainer_gpus: int = 8  # the rest run rollout replicas (disaggregated placement)
+    gpus_per_replica: int = 1  # tensor-parallel size of one rollout replica
+    colocate_sync: bool = True  # sync time-shares all GPUs between rollout and training (verl)
+
+
+@dataclass
+class RolloutConfig:
+    engine: str = "sim"
+    max_concurrent: int = 1024  # trajectories per replica the manager keeps in flight
+    max_tokens: int = 16384
+    temperature: float = 1.0
+    top_p: float = 1.0
+    partial_rollout: bool = False  # stale:K only: abort, update and resume (AReaL)
+    heartbeat_s: float = 1.0
+    heartbeat_timeout_s: float = 10.0
+    partial_sync_s: float = 5.0  # refresh the partial-response pool; 0 = only on abort
+
+
+@dataclass
+class TrainerConfig:
+    engine: str = "sim"
+    mini_batches: int = 16
+
+
+@dataclass
+class RelayConfig:
+    transport: str = "sim"
+    chunks: int = 0  # 0: from the latency model (k*), or bucket_mb without a link model
+    bucket_mb: float = 64.0
+
+
+@dataclass
+class RepackConfig:
+    policy: str = "best_fit"
+    interval_s: float = 5.0
+    kv_limit: float = 0.8  # C_max
+    batch_limit: int = 64  # B, the roofline decode batch
+
+
+@dataclass
+class BufferConfig:
+    sampler: str = "auto"  # auto: the schedule's own (fifo for laminar, by_batch otherwise)
+    max_ahead_batches: float = 2.0  # laminar: outstanding groups <= this many steps' worth
+
+
+@dataclass
+class StudyConfig:
+    schedules: list[str] = field(default_factory=lambda: ["laminar", "sync", "one_step", "stale:2"])
+    warmup_steps: int = 2
+    sweep: list[dict[str, Any]] = field(default_factory=list)  # override sets, one per point
+
+
+@dataclass
+class TelemetryConfig:
+    events: bool = True  # keep the event timeline (Chrome trace) in memory
+    progress: bool = True  # console line per step
+
+
+@dataclass
+class LaminarConfig:
+    run: RunConfig = field(default_factory=RunConfig)
+    schedule: str = "laminar"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    relay: RelayConfig = field(default_factory=RelayConfig)
+    repack: RepackConfig = field(default_factory=RepackConfig)
+    buffer: BufferConfig = field(default_factory=BufferConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    study: StudyConfig = field(default_factory=StudyConfig)
+    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+
+
+# section -> (field naming the engine, plugin kind): extra keys there are engine options
+ENGINE_SECTIONS = {
+    "rollout": ("engine", "rollout"),
+    "trainer": ("engine", "trainer"),
+    "relay": ("transport", "transport"),
+}

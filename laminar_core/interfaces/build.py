@@ -1,0 +1,35 @@
+"""How the runtime constructs engines from config.
+
+A plugin registers a *class*. If it has an ``Options`` dataclass, the engine's section of the
+config (``rollout.<name>``, ``trainer.<name>``, ``relay.<name>``) is validated against it.
+The runtime builds an instance with ``cls.from_config(ctx)`` when the class defines it,
+else ``cls(ctx)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class BuildContext:
+    """What an engine factory gets.
+
+    ``config``: the whole validated ``LaminarConfig``; ``options``: this engine's validated
+    ``Options`` instance (or ``None``); ``index``: replica index / trainer rank / endpoint
+    rank; ``name``: replica id or endpoint name; ``gpus``: GPUs this instance models or
+    uses; ``shared``: state shared by all instances built for one run (e.g. a fabric).
+    """
+
+    config: Any
+    options: Any = None
+    index: int = 0
+    name: str = ""
+    gpus: int = 1
+    shared: dict[str, Any] = field(default_factory=dict)
+
+
+def build(factory: Any, ctx: BuildContext) -> Any:
+    from_config = getattr(factory, "from_config", None)
+    return from_config(ctx) if from_config is not None else factory(ctx)

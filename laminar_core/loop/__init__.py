@@ -1,0 +1,16 @@
+"""The loop: controller, rollout manager, schedules."""
+
+from laminar_core.loop.controller import Controller, StepRecord
+from laminar_core.loop.manager import ManagerOptions, ReplicaSlot, RolloutManager
+from laminar_core.loop.schedules import BUILTIN_SCHEDULES, Schedule, ScheduleError
+
+__all__ = [
+    "BUILTIN_SCHEDULES",
+    "Controller",
+    "ManagerOptions",
+    "ReplicaSlot",
+    "RolloutManager",
+    "Schedule",
+    "ScheduleError",
+    "StepRecord",
+]

@@ -1,0 +1,143 @@
+"""The controller: the driver's step loop.
+
+Per step: ask the experience buffer for a batch (the time spent waiting is trainer idle
+time), run the trainer group on it, publish the new version through the relay tier (the
+time until the master relay holds it is the trainer's weight-sync stall), tell the rollout
+manager, write one metrics row.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+from laminar_core.buffers import ExperienceBuffer
+from laminar_core.interfaces import TrainerEngine
+from laminar_core.loop.manager import RolloutManager
+from laminar_core.relay.tier import RelayTier
+from laminar_core.telemetry import EventLog, MetricsWriter
+
+
+@dataclass
+class StepRecord:
+    step: int
+    version: int  # published after this step
+    start: float
+    train_start: float
+    end: float  # when the trainer may resume (new version at the master relay)
+    tokens: int
+    trajectories: int
+    staleness: list[int]
+    stall: float
+    metrics: dict[str, float] = field(default_factory=dict)
+    reward_mean: float | None = None
+
+
+class Controller:
+    def __init__(
+        self,
+        trainers: list[TrainerEngine],
+        manager: RolloutManager,
+        buffer: ExperienceBuffer,
+        relays: RelayTier,
+        groups_per_step: int,
+        metrics: MetricsWriter | None = None,
+        events: EventLog | None = None,
+        model_bytes: int | None = None,
+        needs_logprobs: bool = False,
+    ) -> None:
+        if not trainers:
+            raise ValueError("the controller needs at least one trainer rank")
+        self.trainers = trainers
+        self.manager = manager
+        self.buffer = buffer
+        self.relays = relays
+        self.groups_per_step = groups_per_step
+        self.metrics = metrics or MetricsWriter(None)
+        self.events = events or EventLog(enabled=False)
+        self.model_bytes = model_bytes
+        self.needs_logprobs = needs_logprobs
+        self.records: list[StepRecord] = []
+        self.step = 0
+        self.t_start = 0.0
+
+    async def run(self, steps: int) -> list[StepRecord]:
+        """Train until ``steps`` steps are done (counting from ``self.step``)."""
+        loop = asyncio.get_running_loop()
+        self.t_start = loop.time()
+        await self.relays.open()
+        await self.manager.start()
+        try:
+            while self.step < steps:
+                await self._one_step(loop)
+        finally:
+            await self.manager.stop()
+            await self.relays.close()
+            self.metrics.close()
+        return self.records
+
+    async def _one_step(self, loop: asyncio.AbstractEventLoop) -> None:
+        step = self.step
+        t0 = loop.time()
+        batch = await self.buffer.sample(step, self.groups_per_step)
+        t1 = loop.time()
+        trajs = batch.trajectories
+        if self.needs_logprobs:
+            await asyncio.gather(*(t.compute_logprobs(batch) for t in self.trainers))
+        results = await asyncio.gather(*(t.train_step(batch) for t in self.trainers))
+        version = step + 1
+        pub = await self.relays.publish(
+            version, self.trainers[0].export_weights(), self.model_bytes
+        )
+        t2 = loop.time()
+        self.step = version
+        self.manager.on_trainer_step(version, self.manager.consumed_groups + len(batch.groups))
+        rewards = [t.reward for t in trajs if t.reward is not None]
+        rec = StepRecord(
+            step=step,
+            version=version,
+            start=t0,
+            train_start=t1,
+            end=t2,
+            tokens=batch.num_tokens,
+            trajectories=len(trajs),
+            staleness=[step - t.version for t in trajs],
+            stall=pub.stall_seconds,
+            metrics=dict(results[0]),
+            reward_mean=sum(rewards) / len(rewards) if rewards else None,
+        )
+        self.records.append(rec)
+        self.events.record(t1, "wait_data", "trainer", duration=t1 - t0, step=step)
+        self.events.record(
+            t2 - pub.stall_seconds,
+            "train_step",
+            "trainer",
+            duration=t2 - t1 - pub.stall_seconds,
+            step=step,
+        )
+        self.events.record(
+            t2, "weight_push", "trainer", duration=pub.stall_seconds, version=version
+        )
+        prev_end = self.records[-2].end if len(self.records) > 1 else self.t_start
+        self.metrics.write(self._row(rec, prev_end))
+
+    def _row(self, rec: StepRecord, prev_end: float) -> dict[str, Any]:
+        period = max(rec.end - prev_end, 1e-12)
+        replicas = {s.replica_id: s.version for s in self.manager.slots if s.alive}
+        return {
+            "step": rec.step,
+            "weight_version": rec.version,
+            "time": rec.end,
+            "reward_mean": rec.reward_mean,
+            "trajectories": rec.trajectories,
+            "tokens": rec.tokens,
+            "tokens_per_second": rec.tokens / period,
+            "samples_per_second": rec.trajectories / period,
+            "staleness_mean": sum(rec.staleness) / max(1, len(rec.staleness)),
+            "staleness_max": max(rec.staleness, default=0),
+            "wait_seconds": rec.train_start - rec.start,
+            "stall_seconds": rec.stall,
+            "replica_versions": replicas,
+            **rec.metrics,
+        }

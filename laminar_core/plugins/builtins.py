@@ -1,0 +1,44 @@
+"""Core's own engines, registered through the same hooks as any plugin.
+
+Targets are lazy import strings, so ``laminar plugins`` lists them without importing them.
+"""
+
+from __future__ import annotations
+
+from laminar_core.plugins.hookspecs import hookimpl
+
+
+@hookimpl
+def laminar_trainer_engines() -> dict[str, object]:
+    return {"sim": "laminar_core.sim.trainer:SimTrainerEngine"}
+
+
+@hookimpl
+def laminar_rollout_engines() -> dict[str, object]:
+    return {"sim": "laminar_core.sim.rollout:SimRolloutEngine"}
+
+
+@hookimpl
+def laminar_transports() -> dict[str, object]:
+    return {
+        "inprocess": "laminar_core.relay.inprocess:InProcessTransport",
+        "sim": "laminar_core.sim.transport:SimTransport",
+    }
+
+
+@hookimpl
+def laminar_repack_policies() -> dict[str, object]:
+    return {
+        "best_fit": "laminar_core.repack.best_fit:BestFitPolicy",
+        "none": "laminar_core.repack.none:NoRepack",
+    }
+
+
+@hookimpl
+def laminar_schedules() -> dict[str, object]:
+    return {
+        "sync": "laminar_core.loop.schedules:make_sync",
+        "one_step": "laminar_core.loop.schedules:make_one_step",
+        "stale": "laminar_core.loop.schedules:make_stale",
+        "laminar": "laminar_core.loop.schedules:make_laminar",
+    }

@@ -1,0 +1,147 @@
+"""The local runtime: every component as a plain object in this process.
+
+This is what the simulator and the unit tests run. A distributed runtime builds the same
+components as actors and hands the controller and manager proxies with the same async
+methods; the loop code does not change.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from laminar_core.buffers import ExperienceBuffer, PromptPool, SyntheticPrompts
+from laminar_core.config.loader import ResolvedConfig, make_schedule
+from laminar_core.interfaces import BuildContext, RolloutEngine, TrainerEngine, build
+from laminar_core.loop.controller import Controller
+from laminar_core.loop.manager import ManagerOptions, ReplicaSlot, RewardFn, RolloutManager
+from laminar_core.loop.schedules import Schedule
+from laminar_core.plugins import PluginManager, default_manager
+from laminar_core.relay.node import NodeRelay
+from laminar_core.relay.tier import RelayTier
+from laminar_core.runtime.placement import Placement, plan_placement
+from laminar_core.telemetry import EventLog, MetricsWriter
+from laminar_core.types import SamplingParams
+
+
+@dataclass
+class LocalRun:
+    """A fully wired run; ``await run.controller.run(steps)`` drives it."""
+
+    resolved: ResolvedConfig
+    schedule: Schedule
+    placement: Placement
+    controller: Controller
+    manager: RolloutManager
+    buffer: ExperienceBuffer
+    tier: RelayTier
+    trainers: list[TrainerEngine]
+    engines: list[RolloutEngine]
+    events: EventLog
+    run_dir: Path | None = None
+    shared: dict = field(default_factory=dict)
+
+
+def build_dataset(resolved: ResolvedConfig):
+    d, seed = resolved.cfg.data, resolved.cfg.run.seed
+    if d.source == "synthetic":
+        return SyntheticPrompts(d.size, d.prompt_min_tokens, d.prompt_max_tokens, seed=seed)
+    raise ValueError(f"data.source: unknown '{d.source}'; known: synthetic")
+
+
+def build_local_run(
+    resolved: ResolvedConfig,
+    schedule_spec: str | None = None,
+    pm: PluginManager | None = None,
+    run_dir: Path | None = None,
+    reward_fn: RewardFn | None = None,
+) -> LocalRun:
+    """Construct every component for ``schedule_spec`` (default: the config's schedule).
+
+    Must be called inside a running event loop (components create asyncio primitives).
+    """
+    pm = pm or default_manager()
+    cfg = resolved.cfg
+    schedule = make_schedule(schedule_spec or cfg.schedule, cfg, pm)
+    place = plan_placement(cfg, schedule)
+    shared: dict = {}
+    events = EventLog(enabled=cfg.telemetry.events)
+
+    def ctx(section: str, index: int, name: str, gpus: int) -> BuildContext:
+        return BuildContext(cfg, resolved.engine_options.get(section), index, name, gpus, shared)
+
+    rollout_cls = pm.get("rollout", cfg.rollout.engine)
+    engines: list[RolloutEngine] = [
+        build(rollout_cls, ctx("rollout", i, f"r{i}", cfg.cluster.gpus_per_replica))
+        for i in range(place.replicas)
+    ]
+    trainer_cls = pm.get("trainer", cfg.trainer.engine)
+    trainers: list[TrainerEngine] = [
+        build(trainer_cls, ctx("trainer", 0, "trainer", place.trainer_gpus))
+    ]
+    relays = [NodeRelay(n, n) for n in range(place.nodes)]
+    transport_cls = pm.get("transport", cfg.relay.transport)
+    tier = RelayTier(
+        relays,
+        lambda rank: build(transport_cls, ctx("relay", rank, f"ep{rank}", 1)),
+        bucket_bytes=max(1, int(cfg.relay.bucket_mb * (1 << 20))),
+        chunks=cfg.relay.chunks,
+    )
+    sampler = schedule.sampler if cfg.buffer.sampler == "auto" else cfg.buffer.sampler
+    buffer = ExperienceBuffer(sampler)
+    prompts = PromptPool(
+        build_dataset(resolved),
+        cfg.data.samples_per_prompt,
+        seed=cfg.run.seed,
+        shuffle=cfg.data.shuffle,
+    )
+    slots = [
+        ReplicaSlot(e.replica_id, i, e, relays[place.replica_node[i]])
+        for i, e in enumerate(engines)
+    ]
+    opts = ManagerOptions(
+        groups_per_step=cfg.data.prompts_per_step,
+        max_concurrent=cfg.rollout.max_concurrent,
+        sampling=SamplingParams(
+            temperature=cfg.rollout.temperature,
+            top_p=cfg.rollout.top_p,
+            max_tokens=cfg.rollout.max_tokens,
+        ),
+        repack_interval_s=cfg.repack.interval_s,
+        heartbeat_s=cfg.rollout.heartbeat_s,
+        heartbeat_timeout_s=cfg.rollout.heartbeat_timeout_s,
+        partial_sync_s=cfg.rollout.partial_sync_s,
+    )
+    repack = None
+    if cfg.repack.policy != "none":
+        repack = build(pm.get("repack", cfg.repack.policy), ctx("repack", 0, "repack", 0))
+    manager = RolloutManager(
+        slots, prompts, buffer, schedule, opts, repack=repack, reward_fn=reward_fn, events=events
+    )
+    metrics = MetricsWriter(run_dir / "metrics.jsonl" if run_dir else None)
+    controller = Controller(
+        trainers,
+        manager,
+        buffer,
+        tier,
+        cfg.data.prompts_per_step,
+        metrics=metrics,
+        events=events,
+        needs_logprobs=cfg.algorithm.off_policy != "none",
+    )
+    random.seed(cfg.run.seed)
+    return LocalRun(
+        resolved,
+        schedule,
+        place,
+        controller,
+        manager,
+        buffer,
+        tier,
+        trainers,
+        engines,
+        events,
+        run_dir,
+        shared,
+    )
