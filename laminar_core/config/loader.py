@@ -129,6 +129,17 @@ def _check_keys(raw: Any, schema: type, path: str, extra: dict[str, set[str]]) -
                     f"got {value!r}"
                 )
             _check_keys(value, hint, full, extra)
+        elif hint is not None and typing.get_origin(hint) is list and isinstance(value, list):
+            item_type = next(iter(typing.get_args(hint)), None)
+            if item_type is not None and dataclasses.is_dataclass(item_type):
+                for i, item in enumerate(value):
+                    if item is not None and not isinstance(item, dict):
+                        raise ConfigError(
+                            f"config key '{full}[{i}]' must be a mapping of "
+                            f"{', '.join(sorted(typing.get_type_hints(item_type)))}; "
+                            f"got {item!r}"
+                        )
+                    _check_keys(item, item_type, f"{full}[{i}]", extra)
 
 
 def _structured(schema: type, raw: dict[str, Any], path: str) -> Any:
@@ -140,6 +151,8 @@ def _structured(schema: type, raw: dict[str, Any], path: str) -> Any:
         full = ".".join(x for x in (path, str(key)) if x)
         msg = str(e).splitlines()[0]
         raise ConfigError(f"config key '{full}': {msg}") from None
+    except ValueError as e:  # an options dataclass's own ``__post_init__`` checks
+        raise ConfigError(f"config key '{path}': {e}") from None
 
 
 def _engine_options(
@@ -151,6 +164,11 @@ def _engine_options(
     except UnknownPluginError as e:
         raise ConfigError(f"{section}.{ENGINE_SECTIONS[section][0]}: {e}") from None
     options_cls = getattr(factory, "Options", None)
+    if raw is not None and not isinstance(raw, dict):
+        raise ConfigError(
+            f"config key '{section}.{engine}' must be a mapping of {kind} '{engine}' "
+            f"options; got {raw!r}"
+        )
     if options_cls is None:
         if raw:
             raise ConfigError(

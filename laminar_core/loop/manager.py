@@ -72,10 +72,6 @@ class ReplicaSlot:
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     pulls: int = 0
 
-    @property
-    def load(self) -> int:
-        return len(self.inflight)
-
 
 class RolloutManager:
     def __init__(
@@ -110,6 +106,7 @@ class RolloutManager:
         self.failed_replicas: list[str] = []
         self._orphans: deque[InFlight] = deque()  # need a replica of any version, from scratch
         self._open: dict[str, ReplicaSlot] = {s.replica_id: s for s in slots}
+        self._newest_open: int | None = None  # cache of max version in _open; None: stale
         self._tasks: set[asyncio.Task] = set()
         self._bg: list[asyncio.Task] = []
         self._kicked = False
@@ -157,20 +154,32 @@ class RolloutManager:
             self._kicked = True
             self._loop.call_soon(self._dispatch)
 
-    def _eligible(self, need: int) -> ReplicaSlot | None:
-        best, cap = None, self.opt.max_concurrent
+    def _close(self, replica_id: str, _default: object = None) -> None:
+        """Stop admitting to a replica (draining for an update, updating, or dead)."""
+        if self._open.pop(replica_id, None) is not None:
+            self._newest_open = None
+
+    def _least_loaded(self, need: int, min_version: int = -(1 << 62)) -> ReplicaSlot | None:
+        """The open replica with the fewest trajectories in flight that has room for ``need``
+        more and holds at least ``min_version`` (ties: lowest index, by dict order)."""
+        best, best_load, limit = None, 1 << 62, self.opt.max_concurrent - need
         for s in self._open.values():
-            if s.load + need <= cap and (best is None or s.load < best.load):
-                best = s
+            n = len(s.inflight)
+            if n < best_load and n <= limit and s.version >= min_version:
+                best, best_load = s, n
         return best
 
     def _dispatch(self) -> None:
-        """Admit groups (and orphans) while the schedule and replica capacity allow."""
+        """Admit groups (and orphans) while the schedule and replica capacity allow.
+
+        The schedule's gate is checked before any scan of replicas: this runs after every
+        finished trajectory, so its common case (nothing to admit) must be O(1).
+        """
         self._kicked = False
-        if self._stopping:
+        if self._stopping or not self._open:
             return
         while self._orphans:
-            slot = self._eligible(1)
+            slot = self._least_loaded(1)
             if slot is None:
                 return
             item = self._orphans.popleft()
@@ -178,30 +187,24 @@ class RolloutManager:
             self._launch(slot, item, None)
         g = self.opt.groups_per_step
         samples = self.prompts.samples
+        sched = self.schedule
+        lag = sched.max_lag
+        if lag is not None and self._newest_open is None:
+            self._newest_open = max(s.version for s in self._open.values())
+        newest = self._newest_open or 0
         while True:
             tag = self.admitted_groups // g
-            outstanding = self.admitted_groups - self.consumed_groups
-            slot = self._eligible(samples)
-            if slot is None or not self.schedule.admits(tag, slot.version, outstanding, g):
-                if slot is None or self.schedule.max_lag is None:
+            if lag is None:
+                if not sched.admits(tag, 0, self.admitted_groups - self.consumed_groups, g):
                     return
-                # Bounded schedules: the least-loaded replica may be too old for this
-                # batch while another is recent enough.
-                slot = self._eligible_for_tag(samples, tag, outstanding)
-                if slot is None:
+                slot = self._least_loaded(samples)
+            else:
+                if tag > newest + lag:  # no open replica is recent enough for this batch
                     return
+                slot = self._least_loaded(samples, tag - lag)
+            if slot is None:
+                return
             self._admit_group(slot, tag)
-
-    def _eligible_for_tag(self, need: int, tag: int, outstanding: int) -> ReplicaSlot | None:
-        best, cap, g = None, self.opt.max_concurrent, self.opt.groups_per_step
-        for s in self._open.values():
-            if (
-                s.load + need <= cap
-                and self.schedule.admits(tag, s.version, outstanding, g)
-                and (best is None or s.load < best.load)
-            ):
-                best = s
-        return best
 
     def _admit_group(self, slot: ReplicaSlot, tag: int) -> None:
         group = self.prompts.next_group()
@@ -293,7 +296,7 @@ class RolloutManager:
         def on_commit(version: int) -> None:
             for s in self.slots:
                 if s.relay is relay and s.alive and version > s.version:
-                    self._open.pop(s.replica_id, None)  # stop admitting; drain, then pull
+                    self._close(s.replica_id, None)  # stop admitting; drain, then pull
                     s.wake.set()
 
         return on_commit
@@ -312,7 +315,7 @@ class RolloutManager:
 
     async def _pull(self, slot: ReplicaSlot) -> None:
         slot.updating = True
-        self._open.pop(slot.replica_id, None)
+        self._close(slot.replica_id, None)
         t0 = self.now()
         data = slot.relay.read()
         try:
@@ -335,6 +338,7 @@ class RolloutManager:
             slot.wake.set()  # an even newer one arrived meanwhile
         else:
             self._open[slot.replica_id] = slot
+            self._newest_open = None
         self._kick()
 
     async def _interrupt_and_pull(self, slot: ReplicaSlot) -> None:
@@ -444,27 +448,39 @@ class RolloutManager:
 
     # -- health ------------------------------------------------------------------------------
     async def _heartbeat_loop(self) -> None:
+        """Every ``heartbeat_s``: ask every live replica for its stats; one that raises
+        ``ReplicaFailure`` or does not answer within ``heartbeat_timeout_s`` is failed. Every
+        ``partial_sync_s`` also refresh the partial-response pool."""
         last_sync = 0.0
         while not self._stopping:
             await asyncio.sleep(self.opt.heartbeat_s)
+            live = [s for s in self.slots if s.alive]
             sync = self.opt.partial_sync_s > 0 and self.now() - last_sync >= self.opt.partial_sync_s
             if sync:
                 last_sync = self.now()
-            for s in [s for s in self.slots if s.alive]:
-                try:
-                    await asyncio.wait_for(s.engine.stats(), self.opt.heartbeat_timeout_s)
-                    if sync and s.inflight:
-                        for p in await s.engine.partials(sorted(s.inflight)):
-                            self.pool.update(p)
-                except (ReplicaFailure, asyncio.TimeoutError) as e:
-                    self._replica_failed(s, str(e) or "heartbeat timed out")
+            probes = {asyncio.ensure_future(self._probe(s, sync)): s for s in live}
+            if not probes:
+                continue
+            _, late = await asyncio.wait(probes, timeout=self.opt.heartbeat_timeout_s)
+            for task in late:
+                task.cancel()
+                self._replica_failed(probes[task], "heartbeat timed out")
+
+    async def _probe(self, slot: ReplicaSlot, sync: bool) -> None:
+        try:
+            await slot.engine.stats()
+            if sync and slot.inflight:
+                for p in await slot.engine.partials(sorted(slot.inflight)):
+                    self.pool.update(p)
+        except ReplicaFailure as e:
+            self._replica_failed(slot, str(e))
 
     def _replica_failed(self, slot: ReplicaSlot, reason: str) -> None:
         """Mark ``slot`` dead and redirect its in-flight trajectories (idempotent)."""
         if not slot.alive:
             return
         slot.alive = False
-        self._open.pop(slot.replica_id, None)
+        self._close(slot.replica_id, None)
         slot.wake.set()
         self.failed_replicas.append(slot.replica_id)
         log.warning(
@@ -496,7 +512,7 @@ class RolloutManager:
             partial = PartialTrajectory(item.request.traj_id, version, versions=[version])
         same = [s for s in self.slots if s.alive and not s.updating and s.version == version]
         if same:
-            target = min(same, key=lambda s: (s.load, s.index))
+            target = min(same, key=lambda s: (len(s.inflight), s.index))
             self.redirected += 1
             self._launch(target, item, partial)
         else:

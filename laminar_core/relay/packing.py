@@ -25,9 +25,9 @@ def checksum(data: bytes | bytearray | memoryview) -> int:
 
 
 def _tensor_bytes(t: torch.Tensor) -> memoryview:
-    t = t.detach().contiguous().cpu()
+    t = t.detach().contiguous().cpu().reshape(-1)  # 1-D first: a 0-dim tensor cannot be viewed
     # View as bytes through uint8 so every dtype (bf16 included) round-trips exactly.
-    return memoryview(t.view(torch.uint8).reshape(-1).numpy()) if t.numel() else memoryview(b"")
+    return memoryview(t.view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
 
 
 class BucketPacker:

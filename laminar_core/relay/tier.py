@@ -139,9 +139,12 @@ class RelayTier:
                     fwd.put_nowait(None)
             if i == 0 and not master_done.done():
                 master_done.set_result(loop.time())
-            if fwd_task is not None:
-                await fwd_task
-            relay.commit(manifest)
+            try:
+                # Serve the version as soon as it is complete here; forwarding goes on.
+                relay.commit(manifest)
+            finally:
+                if fwd_task is not None:
+                    await fwd_task
 
         pipes = [asyncio.ensure_future(relay_pipe(i)) for i in range(len(chain))]
         sender = asyncio.ensure_future(trainer_send())

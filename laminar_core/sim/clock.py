@@ -11,6 +11,7 @@ can never make progress, so that raises ``SimulationDeadlock`` rather than hangi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import selectors
 from collections.abc import Coroutine
 from typing import Any, TypeVar
@@ -57,6 +58,20 @@ def run_virtual(main: Coroutine[Any, Any, T]) -> T:
         return loop.run_until_complete(main)
     finally:
         try:
+            _cancel_all_tasks(loop)
             loop.run_until_complete(loop.shutdown_asyncgens())
         finally:
             loop.close()
+
+
+def _cancel_all_tasks(loop: asyncio.AbstractEventLoop) -> None:
+    """Cancel and reap tasks still pending when ``main`` returned (as ``asyncio.run`` does),
+    so they are not destroyed pending with a "Task was destroyed" warning on stderr."""
+    pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
+    if not pending:
+        return
+    for task in pending:
+        task.cancel()
+    # A task that swallows its cancellation and waits forever is left as it is.
+    with contextlib.suppress(SimulationDeadlock):
+        loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))

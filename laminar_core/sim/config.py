@@ -14,6 +14,18 @@ class LengthsConfig:
     p99_over_p50: float = 10.0
     file: str = ""
 
+    def __post_init__(self) -> None:
+        # Checked when the config is resolved, so a bad choice fails before anything runs.
+        if self.kind not in ("histogram", "lognormal"):
+            raise ValueError(f"lengths.kind: unknown {self.kind!r}; known: histogram, lognormal")
+        if self.kind == "histogram" and not self.file:
+            raise ValueError("lengths.file: kind 'histogram' needs a length histogram file")
+        if self.kind == "lognormal" and not (self.median > 0 and self.p99_over_p50 >= 1):
+            raise ValueError(
+                "lengths: lognormal needs median > 0 and p99_over_p50 >= 1 "
+                f"(got {self.median}, {self.p99_over_p50})"
+            )
+
 
 @dataclass
 class FailureSpec:

@@ -1,0 +1,405 @@
+"""Tests for laminar_core.relay: packing, checksums, node relays, the chain and its latency."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import pytest
+import torch
+
+from laminar_core.relay import (
+    BucketPacker,
+    InProcessFabric,
+    InProcessTransport,
+    NodeRelay,
+    RelayTier,
+    WeightIntegrityError,
+    chain_latency,
+    optimal_chunks,
+    unpack,
+    verify_bucket,
+)
+from laminar_core.sim.clock import run_virtual
+from laminar_core.sim.config import SimTransportConfig
+from laminar_core.sim.transport import SimFabric, SimTransport
+from laminar_core.types import Bucket
+
+
+def tensors() -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    return [
+        ("a.f32", torch.randn(3, 5, generator=g)),
+        ("b.bf16", torch.randn(7, generator=g).to(torch.bfloat16)),
+        ("c.empty", torch.empty(0, 4)),
+        ("d.i64", torch.randint(-(2**62), 2**62, (4, 3), generator=g, dtype=torch.int64)),
+        ("e.big", torch.randn(50, generator=g)),  # 200 bytes: spans several 64-byte buckets
+        ("f.scalar", torch.tensor(2.5, dtype=torch.float64)),
+        ("g.t", torch.arange(12, dtype=torch.int32).reshape(3, 4).t()),  # not contiguous
+    ]
+
+
+def pack(named, version: int = 1, bucket_bytes: int = 64):
+    packer = BucketPacker(named, version, bucket_bytes)
+    buckets = list(packer.buckets())
+    return packer.manifest, buckets
+
+
+def assert_same(got: list[tuple[str, torch.Tensor]], want: list[tuple[str, torch.Tensor]]) -> None:
+    assert [n for n, _ in got] == [n for n, _ in want]
+    for (name, g), (_, w) in zip(got, want):
+        assert g.dtype == w.dtype, name
+        assert g.shape == w.shape, name
+        assert torch.equal(g, w), name
+
+
+def corrupt(b: Bucket, at: int = 0) -> Bucket:
+    data = bytearray(b.data)
+    data[at] ^= 0x01
+    return Bucket(b.version, b.index, b.nbytes, b.checksum, bytes(data))
+
+
+# --- packing -------------------------------------------------------------------------------
+
+
+def test_pack_unpack_round_trip_exact() -> None:
+    named = tensors()
+    manifest, buckets = pack(named, bucket_bytes=64)
+    total = sum(t.numel() * t.element_size() for _, t in named)
+    assert manifest.total_bytes == total
+    assert manifest.bucket_sizes == [64] * (total // 64) + ([total % 64] if total % 64 else [])
+    assert [b.index for b in buckets] == list(range(manifest.num_buckets))
+    assert manifest.checksums == [b.checksum for b in buckets]
+    big = next(s for s in manifest.tensors if s.name == "e.big")
+    assert big.nbytes == 200 and big.nbytes > 64  # really spans buckets
+    for b in buckets:
+        verify_bucket(b)
+    assert_same(list(unpack(manifest, buckets)), named)
+
+
+@pytest.mark.parametrize("bucket_bytes", [1, 3, 7, 1 << 20])
+def test_round_trip_for_odd_bucket_sizes(bucket_bytes: int) -> None:
+    named = tensors()
+    manifest, buckets = pack(named, bucket_bytes=bucket_bytes)
+    assert all(b.nbytes <= bucket_bytes for b in buckets)
+    assert_same(list(unpack(manifest, buckets)), named)
+
+
+def test_manifest_offsets_are_contiguous() -> None:
+    manifest, _ = pack(tensors(), bucket_bytes=64)
+    pos = 0
+    for spec in manifest.tensors:
+        assert spec.offset == pos
+        assert spec.bucket == pos // 64
+        pos += spec.nbytes
+    d = next(s for s in manifest.tensors if s.name == "d.i64")
+    assert (d.shape, d.dtype, d.nbytes) == ((4, 3), "int64", 96)
+
+
+def test_meta_tensors_make_phantom_buckets() -> None:
+    named = [
+        ("a", torch.empty(10, dtype=torch.float32, device="meta")),  # 40 bytes
+        ("b", torch.empty(3, 3, dtype=torch.bfloat16, device="meta")),  # 18 bytes
+    ]
+    manifest, buckets = pack(named, bucket_bytes=16)
+    assert manifest.bucket_sizes == [16, 16, 16, 10]
+    assert [b.nbytes for b in buckets] == [16, 16, 16, 10]
+    assert all(b.data is None and b.checksum == -1 for b in buckets)
+    assert manifest.checksums == [-1] * 4
+    assert manifest.total_bytes == 58
+    assert unpack(manifest, buckets) is None
+    verify_bucket(buckets[0])  # phantom buckets have nothing to verify
+
+
+def test_meta_exact_multiple_has_no_empty_tail_bucket() -> None:
+    manifest, _ = pack([("a", torch.empty(8, device="meta"))], bucket_bytes=16)
+    assert manifest.bucket_sizes == [16, 16]
+
+
+@pytest.mark.parametrize("meta_first", [True, False])
+def test_mixing_meta_and_real_raises(meta_first: bool) -> None:
+    meta = ("m", torch.empty(4, device="meta"))
+    real = ("r", torch.ones(4))
+    named = [meta, real] if meta_first else [real, meta]
+    with pytest.raises(ValueError, match="mix"):
+        pack(named)
+
+
+def test_bucket_bytes_must_be_positive() -> None:
+    with pytest.raises(ValueError):
+        BucketPacker([], 1, 0)
+
+
+def test_verify_bucket_catches_flipped_byte() -> None:
+    _, buckets = pack(tensors())
+    for b in buckets[:3]:
+        verify_bucket(b)
+        with pytest.raises(WeightIntegrityError, match="checksum"):
+            verify_bucket(corrupt(b, at=b.nbytes - 1))
+
+
+def test_verify_bucket_catches_truncation() -> None:
+    _, buckets = pack(tensors())
+    b = buckets[0]
+    short = Bucket(b.version, b.index, b.nbytes, b.checksum, b.data[:-1])
+    with pytest.raises(WeightIntegrityError, match="truncated"):
+        verify_bucket(short)
+    with pytest.raises(WeightIntegrityError, match="truncated"):
+        verify_bucket(b, expected_size=b.nbytes + 1)
+
+
+# --- node relay ----------------------------------------------------------------------------
+
+
+def stage(relay: NodeRelay, version: int, value: float = 1.0):
+    named = [("w", torch.full((40,), value))]
+    manifest, buckets = pack(named, version=version, bucket_bytes=64)
+    relay.begin(version, len(buckets))
+    return manifest, buckets, named
+
+
+def commit_version(relay: NodeRelay, version: int, value: float = 1.0):
+    manifest, buckets, named = stage(relay, version, value)
+    for b in buckets:
+        relay.put(b)
+    relay.commit(manifest)
+    return named
+
+
+def test_node_relay_commit_and_read() -> None:
+    relay = NodeRelay(0, 0)
+    assert relay.version == -1
+    with pytest.raises(LookupError):
+        relay.read()
+    named = commit_version(relay, 3, value=2.0)
+    data = relay.read()
+    assert relay.version == data.version == 3
+    assert_same(list(unpack(data.manifest, data.buckets)), named)
+
+
+@pytest.mark.parametrize("version", [2, 3])
+def test_node_relay_rejects_older_or_equal_version(version: int) -> None:
+    relay = NodeRelay(0, 0)
+    commit_version(relay, 3)
+    with pytest.raises(WeightIntegrityError, match="not newer"):
+        relay.begin(version, 1)
+    assert relay.version == 3
+
+
+def test_node_relay_rejects_bucket_of_unstaged_version() -> None:
+    relay = NodeRelay(0, 0)
+    commit_version(relay, 1)
+    _, buckets = pack([("w", torch.ones(4))], version=2)
+    with pytest.raises(WeightIntegrityError, match="not staged"):
+        relay.put(buckets[0])
+    relay.begin(3, 1)
+    with pytest.raises(WeightIntegrityError, match="not staged"):
+        relay.put(buckets[0])  # version 2, while 3 is staged
+
+
+def test_node_relay_never_exposes_half_received_version() -> None:
+    relay = NodeRelay(0, 0)
+    old = commit_version(relay, 1, value=1.0)
+    manifest, buckets, new = stage(relay, 2, value=5.0)
+    assert len(buckets) > 1
+    for b in buckets[:-1]:
+        relay.put(b)
+        assert relay.version == 1
+        data = relay.read()
+        assert_same(list(unpack(data.manifest, data.buckets)), old)
+    with pytest.raises(WeightIntegrityError, match="incomplete"):
+        relay.commit(manifest)  # one bucket missing
+    assert relay.version == 1
+    # a fresh attempt at the same version can still succeed
+    manifest, buckets, new = stage(relay, 2, value=5.0)
+    for b in buckets:
+        relay.put(b)
+    relay.commit(manifest)
+    data = relay.read()
+    assert_same(list(unpack(data.manifest, data.buckets)), new)
+
+
+def test_node_relay_corrupted_bucket_keeps_previous_version() -> None:
+    relay = NodeRelay(0, 0)
+    old = commit_version(relay, 1)
+    manifest, buckets, _ = stage(relay, 2, value=9.0)
+    for b in buckets[1:]:
+        relay.put(b)
+    with pytest.raises(WeightIntegrityError, match="checksum"):
+        relay.put(corrupt(buckets[0]))
+    with pytest.raises(WeightIntegrityError):
+        relay.commit(manifest)
+    assert relay.version == 1
+    data = relay.read()
+    assert_same(list(unpack(data.manifest, data.buckets)), old)
+
+
+def test_node_relay_commit_checks_manifest() -> None:
+    """A self-consistent bucket (checksum recomputed) that is not the published one."""
+    relay = NodeRelay(0, 0)
+    commit_version(relay, 1)
+    manifest, buckets, _ = stage(relay, 2, value=9.0)
+    forged = corrupt(buckets[0])
+    from laminar_core.relay.packing import checksum
+
+    forged.checksum = checksum(forged.data)
+    relay.put(forged)  # passes the per-bucket check
+    for b in buckets[1:]:
+        relay.put(b)
+    with pytest.raises(WeightIntegrityError, match="manifest"):
+        relay.commit(manifest)
+    assert relay.version == 1
+
+
+def test_node_relay_listeners_and_wait_newer() -> None:
+    async def main() -> list:
+        relay = NodeRelay(0, 0)
+        seen: list[int] = []
+        relay.listeners.append(seen.append)
+        waiter = asyncio.ensure_future(relay.wait_newer(1))
+        await asyncio.sleep(0)
+        commit_version(relay, 1)
+        await asyncio.sleep(0)
+        assert not waiter.done()  # 1 is not newer than 1
+        commit_version(relay, 2)
+        return [await waiter, seen]
+
+    assert run_virtual(main()) == [2, [1, 2]]
+
+
+# --- the tier over the in-process transport --------------------------------------------------
+
+
+def test_tier_inprocess_delivers_identical_tensors_to_every_relay() -> None:
+    named = tensors()
+
+    async def main():
+        fabric = InProcessFabric()
+        relays = [NodeRelay(i, node=i) for i in range(4)]
+        commits: list[tuple[int, int]] = []
+        for r in relays:
+            r.listeners.append(lambda v, r=r: commits.append((r.relay_id, v)))
+        tier = RelayTier(relays, lambda rank: InProcessTransport(fabric), bucket_bytes=32)
+        await tier.open()
+        res = await tier.publish(1, named)
+        versions_at_return = [r.version for r in relays]
+        await tier.close()
+        return tier, res, versions_at_return, commits, relays
+
+    tier, res, at_return, commits, relays = run_virtual(main())
+    total = sum(t.numel() * t.element_size() for _, t in named)
+    assert res.version == 1 and res.bytes == total
+    assert res.buckets == math.ceil(total / 32)
+    assert at_return[0] == 1  # the master holds it when the trainer resumes
+    assert at_return[-1] == -1  # ... the tail does not yet
+    assert sorted(commits) == [(i, 1) for i in range(4)]
+    for r in relays:
+        data = r.read()
+        assert data.version == 1
+        assert_same(list(unpack(data.manifest, data.buckets)), named)
+    assert tier.relay_for_node(2) is relays[2]
+    with pytest.raises(LookupError):
+        tier.relay_for_node(9)
+
+
+def test_tier_successive_versions_and_dead_relay_cut_out() -> None:
+    async def main():
+        fabric = InProcessFabric()
+        relays = [NodeRelay(i, node=i) for i in range(3)]
+        tier = RelayTier(relays, lambda rank: InProcessTransport(fabric), bucket_bytes=16)
+        await tier.open()
+        await tier.publish(1, [("w", torch.full((10,), 1.0))])
+        relays[1].alive = False
+        await tier.publish(2, [("w", torch.full((10,), 2.0))])
+        await tier.close()
+        return relays
+
+    relays = run_virtual(main())
+    assert [r.version for r in relays] == [2, 1, 2]
+    for r, value in zip(relays, [2.0, 1.0, 2.0]):
+        ((_, t),) = list(unpack(r.read().manifest, r.read().buckets))
+        assert torch.equal(t, torch.full((10,), value))
+
+
+# --- latency model -------------------------------------------------------------------------
+
+
+def test_chain_latency_hand_values() -> None:
+    # p=4, M=1000, k=14: (4 + 14 - 2) * (1000/14 * 0.001 + 0.01)
+    assert chain_latency(4, 1000, 14, 0.001, 0.01) == pytest.approx(16 * (1 / 14 + 0.01))
+    assert chain_latency(4, 1000, 1, 0.001, 0.01) == pytest.approx(3 * 1.01)
+    assert chain_latency(4, 1000, 0, 0.001, 0.01) == pytest.approx(3 * 1.01)  # k<1 -> 1
+    assert chain_latency(2, 1000, 10, 0.001, 0.01) == pytest.approx(10 * 0.11)
+    assert chain_latency(1, 1000, 10, 0.001, 0.01) == 0.0
+
+
+def test_optimal_chunks_hand_values() -> None:
+    # k* = sqrt(2 * 1000 * 0.001 / 0.01) = sqrt(200) ~ 14.14; T(14) < T(15)
+    assert math.sqrt(200) == pytest.approx(14.142, abs=1e-3)
+    assert chain_latency(4, 1000, 14, 0.001, 0.01) < chain_latency(4, 1000, 15, 0.001, 0.01)
+    k = optimal_chunks(4, 1000, 0.001, 0.01)
+    assert k == 14
+    best = min(range(1, 200), key=lambda c: chain_latency(4, 1000, c, 0.001, 0.01))
+    assert k == best
+    # k* = sqrt(8 * 1e9 * 1e-9 / 1e-3) = sqrt(8000) ~ 89.4
+    assert optimal_chunks(10, 1e9, 1e-9, 1e-3) in (89, 90)
+    assert optimal_chunks(10, 1e9, 1e-9, 1e-3, max_chunks=16) == 16
+    assert optimal_chunks(2, 1e9, 1e-9, 1e-3) == 1  # a single hop gains nothing from chunks
+    assert optimal_chunks(10, 1e9, 1e-9, 0.0, max_chunks=64) == 64
+
+
+@pytest.mark.parametrize(("n_relays", "k"), [(1, 3), (3, 7), (6, 4)])
+def test_sim_chain_commits_at_model_time(n_relays: int, k: int) -> None:
+    chunk = 250_000
+    model_bytes = k * chunk
+    cfg = SimTransportConfig(link_gbps=16.0, start_s=0.004, push_gbps=16.0)
+    t_byte, t_start = 8.0 / (cfg.link_gbps * 1e9), cfg.start_s
+
+    async def main():
+        fabric = SimFabric()
+        relays = [NodeRelay(i, node=i) for i in range(n_relays)]
+        loop = asyncio.get_running_loop()
+        commit_at: dict[int, float] = {}
+        for r in relays:
+            r.listeners.append(lambda v, r=r: commit_at.setdefault(r.relay_id, loop.time()))
+        tier = RelayTier(relays, lambda rank: SimTransport(cfg, fabric), chunks=k)
+        await tier.open()
+        weights = [("w", torch.empty(model_bytes, dtype=torch.uint8, device="meta"))]
+        res = await tier.publish(1, weights)
+        returned_at = loop.time()
+        await tier.close()
+        return res, returned_at, commit_at
+
+    res, returned_at, commit_at = run_virtual(main())
+    assert res.buckets == k
+    # the trainer -> master hop is one more link of the chain: p = relays + 1 endpoints
+    tail = chain_latency(n_relays + 1, model_bytes, k, t_byte, t_start)
+    assert commit_at[n_relays - 1] == pytest.approx(tail, rel=1e-6)
+    # every relay serves the version once it holds it (relay i is endpoint i + 2)
+    for i in range(n_relays):
+        want = chain_latency(i + 2, model_bytes, k, t_byte, t_start)
+        assert commit_at[i] == pytest.approx(want, rel=1e-6)
+    # the trainer stalls only for its push to the master, independent of the chain length
+    push = chain_latency(2, model_bytes, k, t_byte, t_start)
+    assert returned_at == pytest.approx(push, rel=1e-6)
+    assert res.stall_seconds == pytest.approx(push, rel=1e-6)
+    if n_relays > 1:
+        assert returned_at < commit_at[n_relays - 1]
+
+
+def test_sim_tier_picks_optimal_chunks_from_link_model() -> None:
+    cfg = SimTransportConfig(link_gbps=8.0, start_s=0.01, push_gbps=8.0)
+    model_bytes = 10_000_000  # t_byte = 1e-9 s/byte
+
+    async def main():
+        fabric = SimFabric()
+        tier = RelayTier([NodeRelay(i, i) for i in range(7)], lambda r: SimTransport(cfg, fabric))
+        await tier.open()
+        weights = [("w", torch.empty(model_bytes, dtype=torch.uint8, device="meta"))]
+        res = await tier.publish(1, weights)
+        await tier.close()
+        return res
+
+    res = run_virtual(main())
+    # p = 8 endpoints: k* = sqrt(6 * 1e7 * 1e-9 / 0.01) = sqrt(6) ~ 2.45
+    assert res.buckets == optimal_chunks(8, model_bytes, 1e-9, 0.01) == 2
