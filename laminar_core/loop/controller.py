@@ -17,6 +17,7 @@ from laminar_core.interfaces import TrainerEngine
 from laminar_core.loop.manager import RolloutManager
 from laminar_core.relay.tier import RelayTier
 from laminar_core.telemetry import EventLog, MetricsWriter
+from laminar_core.types import TrainBatch
 
 
 @dataclass
@@ -46,6 +47,7 @@ class Controller:
         events: EventLog | None = None,
         model_bytes: int | None = None,
         needs_logprobs: bool = False,
+        keep_batches: bool = True,
     ) -> None:
         if not trainers:
             raise ValueError("the controller needs at least one trainer rank")
@@ -59,6 +61,8 @@ class Controller:
         self.model_bytes = model_bytes
         self.needs_logprobs = needs_logprobs
         self.records: list[StepRecord] = []
+        self.batches: list[TrainBatch] = []  # kept only when keep_batches (tests, studies)
+        self.keep_batches = keep_batches
         self.step = 0
         self.t_start = 0.0
 
@@ -83,6 +87,8 @@ class Controller:
         batch = await self.buffer.sample(step, self.groups_per_step)
         t1 = loop.time()
         trajs = batch.trajectories
+        if self.keep_batches:
+            self.batches.append(batch)
         if self.needs_logprobs:
             await asyncio.gather(*(t.compute_logprobs(batch) for t in self.trainers))
         results = await asyncio.gather(*(t.train_step(batch) for t in self.trainers))

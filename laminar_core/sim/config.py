@@ -55,6 +55,14 @@ class SimRolloutConfig:
     lengths: LengthsConfig = field(default_factory=LengthsConfig)
     failures: list[FailureSpec] = field(default_factory=list)
 
+    def __post_init__(self) -> None:
+        for name in ("roofline_batch", "max_num_seqs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1 (got {getattr(self, name)})")
+        for name in ("decode_step_s", "prefill_s_per_token", "kv_capacity_tokens", "weight_load_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (got {getattr(self, name)})")
+
 
 @dataclass
 class SimTrainerConfig:
@@ -72,3 +80,10 @@ class SimTransportConfig:
     link_gbps: float = 400.0  # between relays (GB/s = gbps / 8)
     start_s: float = 1e-3  # per-bucket start-up latency
     push_gbps: float = 800.0  # trainer ranks -> master relay, all ranks together
+
+    def __post_init__(self) -> None:
+        for name in ("link_gbps", "push_gbps"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0 (got {getattr(self, name)})")
+        if self.start_s < 0:
+            raise ValueError(f"start_s must be >= 0 (got {self.start_s})")

@@ -248,7 +248,7 @@ class SimRolloutEngine(RolloutEngine):
             replicas=[self.replica_id],
             start_time=req.start_time,
             finish_time=now,
-            metadata=r.metadata,
+            metadata={**r.metadata, "resumed_tokens": req.prefix} if req.prefix else r.metadata,
         )
         if not req.future.done():
             req.future.set_result(traj)

@@ -1,0 +1,46 @@
+"""Shared test set-up: one thread per torch op (2-core machines), small sim configs."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
+
+# A small cluster with a long-tailed workload: 6 replicas, 8 groups x 4 samples per step.
+SMALL = [
+    "run.steps=5",
+    "cluster.gpus=8",
+    "cluster.trainer_gpus=2",
+    "cluster.gpus_per_node=2",
+    "data.prompts_per_step=8",
+    "data.samples_per_prompt=4",
+    "data.prompt_min_tokens=16",
+    "data.prompt_max_tokens=64",
+    "rollout.max_concurrent=64",
+    "rollout.max_tokens=2000",
+    "rollout.heartbeat_s=1",
+    "rollout.partial_sync_s=2",
+    "rollout.sim.decode_step_s=0.01",
+    "rollout.sim.roofline_batch=16",
+    "rollout.sim.prefill_s_per_token=1e-5",
+    "rollout.sim.kv_capacity_tokens=40000",
+    "rollout.sim.weight_load_s=0.2",
+    "rollout.sim.lengths.median=150",
+    "rollout.sim.lengths.p99_over_p50=10",
+    "trainer.sim.gpu_seconds_per_token=2e-4",
+    "trainer.sim.step_overhead_s=0.5",
+    "model.params_b=0.5",
+    "repack.interval_s=1.0",
+    "repack.batch_limit=16",
+    "study.warmup_steps=1",
+]
+
+
+@pytest.fixture
+def small_overrides() -> list[str]:
+    return list(SMALL)
