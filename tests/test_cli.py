@@ -72,7 +72,9 @@ def test_plugins_lists_builtins(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_config_show_prints_override(cfg_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["config", "show", str(cfg_file), "run.steps=17", "rollout.sim.roofline_batch=9"]) == 0
+    assert (
+        main(["config", "show", str(cfg_file), "run.steps=17", "rollout.sim.roofline_batch=9"]) == 0
+    )
     shown = yaml.safe_load(capsys.readouterr().out)
     assert shown["run"]["steps"] == 17
     assert shown["run"]["name"] == "tiny"  # from the file
@@ -86,7 +88,7 @@ def test_simulate_writes_rows_and_is_deterministic(
     first = simulate(cfg_file, tmp_path / "a.json")
     assert [r["schedule"] for r in first] == ["laminar", "sync", "one_step", "stale:2"]
     for row in first:
-        assert ROW_KEYS <= set(row), ROW_KEYS - set(row)
+        assert set(row) >= ROW_KEYS, ROW_KEYS - set(row)
         assert row["throughput_tokens_per_s"] > 0
         assert row["sim_seconds"] > 0
         assert 0 <= row["rollout_utilization"] <= 1

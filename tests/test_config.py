@@ -197,6 +197,22 @@ def test_unknown_lengths_kind_fails_at_config_time() -> None:
     assert "histogram" in msg and "lognormal" in msg
 
 
+@pytest.mark.parametrize(
+    ("override", "field"),
+    [
+        ("rollout.sim.roofline_batch=0", "roofline_batch"),
+        ("rollout.sim.max_num_seqs=-1", "max_num_seqs"),
+        ("rollout.sim.decode_step_s=-0.1", "decode_step_s"),
+        ("rollout.sim.lengths.median=0", "median"),
+        ("relay.sim.link_gbps=0", "link_gbps"),
+    ],
+)
+def test_sim_options_out_of_range(override: str, field: str) -> None:
+    msg = err([override])
+    assert override.split(".")[0] + ".sim" in msg
+    assert field in msg
+
+
 def test_histogram_lengths_without_file() -> None:
     assert "lengths.file" in err(["rollout.sim.lengths.kind=histogram"])
 

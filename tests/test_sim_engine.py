@@ -11,7 +11,7 @@ import pytest
 
 from laminar_core.config import resolve
 from laminar_core.interfaces import BuildContext, ReplicaFailure
-from laminar_core.sim.clock import run_virtual
+from laminar_core.sim.clock import SimulationDeadlock, run_virtual
 from laminar_core.sim.config import FailureSpec, SimRolloutConfig
 from laminar_core.sim.lengths import LengthFileError, LengthModel, read_histogram
 from laminar_core.sim.rollout import SimRolloutEngine
@@ -83,6 +83,37 @@ async def run_all(eng: SimRolloutEngine, requests: list[tuple[float, GenerationR
 
 def finish_times(trajs: list[Trajectory]) -> list[float]:
     return [t.finish_time for t in trajs]
+
+
+# --- the virtual clock --------------------------------------------------------------------
+
+
+def test_run_virtual_jumps_time_and_cancels_leftover_tasks() -> None:
+    seen: dict = {}
+
+    async def main() -> float:
+        async def forever() -> None:
+            try:
+                await asyncio.sleep(1e9)
+            except asyncio.CancelledError:
+                seen["cancelled_at"] = now()
+                raise
+
+        seen["task"] = asyncio.ensure_future(forever())
+        await asyncio.sleep(3600.5)
+        return now()
+
+    assert run_virtual(main()) == 3600.5
+    assert seen["task"].cancelled()
+    assert seen["cancelled_at"] == 3600.5
+
+
+def test_run_virtual_reports_deadlock() -> None:
+    async def main() -> None:
+        await asyncio.get_running_loop().create_future()  # nothing will ever resolve it
+
+    with pytest.raises(SimulationDeadlock):
+        run_virtual(main())
 
 
 # --- the decode model ----------------------------------------------------------------------
@@ -173,7 +204,7 @@ def test_kv_counts_generated_tokens() -> None:
     # generated 50 tokens (150 + 900 > 1000), so it waits.
     for arrive, waits in [(0.0, False), (0.5, True)]:
         eng = engine({1: 100, 2: 10}, kv_capacity_tokens=1000)
-        a, b = run_virtual(run_all(eng, [(0.0, req(1, prompt=100)), (arrive, req(2, prompt=900))]))
+        _, b = run_virtual(run_all(eng, [(0.0, req(1, prompt=100)), (arrive, req(2, prompt=900))]))
         expected_start = 1.0 if waits else arrive
         assert b.start_time == pytest.approx(expected_start)
         assert b.finish_time == pytest.approx(expected_start + 10 * D)

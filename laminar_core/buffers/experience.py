@@ -90,6 +90,8 @@ class ExperienceBuffer:
 
     def expect(self, group_id: str, prompt_index: int, samples: int, batch_tag: int = -1) -> None:
         """Announce a group before its first trajectory is written."""
+        if group_id in self._open:
+            raise DuplicateTrajectoryError(f"group {group_id} is already expected")
         self._open[group_id] = (Group(group_id, prompt_index, [], batch_tag), samples)
 
     def write(self, traj: Trajectory) -> None:

@@ -83,7 +83,7 @@ class RepackConfig:
 @dataclass
 class BufferConfig:
     sampler: str = "auto"  # auto: the schedule's own (fifo for laminar, by_batch otherwise)
-    max_ahead_batches: float = 2.0  # laminar: outstanding groups <= this many steps' worth
+    max_ahead_batches: float = 4.0  # laminar: outstanding groups <= this many steps' worth
 
 
 @dataclass

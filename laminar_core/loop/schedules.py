@@ -31,7 +31,7 @@ class Schedule:
     max_lag: int | None  # K; None: unbounded (laminar)
     sampler: str
     partial_rollout: bool = False
-    max_ahead_batches: float = 2.0
+    max_ahead_batches: float = 4.0
 
     def admits(
         self, batch_tag: int, replica_version: int, outstanding_groups: int, groups_per_step: int
@@ -53,21 +53,21 @@ def _no_arg(name: str, arg: str | None) -> None:
 
 
 def make_sync(
-    arg: str | None = None, partial_rollout: bool = False, max_ahead_batches: float = 2.0
+    arg: str | None = None, partial_rollout: bool = False, max_ahead_batches: float = 4.0
 ) -> Schedule:
     _no_arg("sync", arg)
     return Schedule("sync", 0, "by_batch")
 
 
 def make_one_step(
-    arg: str | None = None, partial_rollout: bool = False, max_ahead_batches: float = 2.0
+    arg: str | None = None, partial_rollout: bool = False, max_ahead_batches: float = 4.0
 ) -> Schedule:
     _no_arg("one_step", arg)
     return Schedule("one_step", 1, "by_batch")
 
 
 def make_stale(
-    arg: str | None = None, partial_rollout: bool = False, max_ahead_batches: float = 2.0
+    arg: str | None = None, partial_rollout: bool = False, max_ahead_batches: float = 4.0
 ) -> Schedule:
     try:
         k = int(arg) if arg is not None else None
@@ -81,7 +81,7 @@ def make_stale(
 
 
 def make_laminar(
-    arg: str | None = None, partial_rollout: bool = False, max_ahead_batches: float = 2.0
+    arg: str | None = None, partial_rollout: bool = False, max_ahead_batches: float = 4.0
 ) -> Schedule:
     _no_arg("laminar", arg)
     if max_ahead_batches <= 0:
