@@ -318,9 +318,33 @@ def resolve(
     return ResolvedConfig(cfg, options, source)
 
 
+def _deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in top.items():
+        out[k] = (
+            _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+        )
+    return out
+
+
+def read_config_file(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """Read a config file; a top-level ``include: other.yaml`` (relative to this file) is
+    read first and this file's keys are merged over it."""
+    p = Path(path).resolve()
+    if p in _seen:
+        raise ConfigError(f"config file {path}: include cycle through {p.name}")
+    raw = read_yaml(path)
+    inc = raw.pop("include", None)
+    if inc is None:
+        return raw
+    if not isinstance(inc, str):
+        raise ConfigError(f"config file {path}: 'include' must be a file name, got {inc!r}")
+    return _deep_merge(read_config_file(Path(path).parent / inc, (*_seen, p)), raw)
+
+
 def load_config(
     path: str | Path | None, overrides: typing.Iterable[str] = (), pm: PluginManager | None = None
 ) -> ResolvedConfig:
     """Read ``path`` (or start from defaults when ``None``), apply overrides, validate."""
-    raw = read_yaml(path) if path is not None else {}
+    raw = read_config_file(path) if path is not None else {}
     return resolve(raw, overrides, pm, source=str(path or ""))

@@ -157,10 +157,12 @@ class SimRolloutEngine(RolloutEngine):
         if n:
             self.busy_seconds += now - self._last
             begin = max(self._last, self._stall_until)
-            if now > begin:
+            step = self._step_time(n)
+            if step == 0 and now >= self._stall_until:
+                self._p = math.inf  # zero-latency decode: all running finish at once
+            elif now > begin:
                 dt = now - begin
-                step = self._step_time(n)
-                self._p = math.inf if step == 0 else self._p + dt / step
+                self._p += dt / step
                 self.occupancy_seconds += (
                     dt * min(n, self.cfg.roofline_batch) / (self.cfg.roofline_batch)
                 )
