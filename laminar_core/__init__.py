@@ -1,0 +1,68 @@
+"""Laminar core: trajectory-level asynchronous RL post-training for LLMs.
+
+The public API that plugins and users import. Everything not re-exported here (or in
+``laminar_core.interfaces``) is internal and may change.
+"""
+
+from laminar_core.algorithms import AlgorithmConfig
+from laminar_core.config import ConfigError, LaminarConfig, ResolvedConfig, load_config
+from laminar_core.interfaces import (
+    BuildContext,
+    RepackPolicy,
+    ReplicaFailure,
+    RolloutEngine,
+    TrainerContext,
+    TrainerEngine,
+    WeightTransport,
+)
+from laminar_core.plugins import hookimpl
+from laminar_core.relay import WeightIntegrityError, unpack
+from laminar_core.types import (
+    Bucket,
+    EngineStats,
+    FinishReason,
+    GenerationRequest,
+    Group,
+    Move,
+    PartialTrajectory,
+    ReplicaState,
+    SamplingParams,
+    TensorSpec,
+    TrainBatch,
+    Trajectory,
+    WeightManifest,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AlgorithmConfig",
+    "Bucket",
+    "BuildContext",
+    "ConfigError",
+    "EngineStats",
+    "FinishReason",
+    "GenerationRequest",
+    "Group",
+    "LaminarConfig",
+    "Move",
+    "PartialTrajectory",
+    "RepackPolicy",
+    "ReplicaFailure",
+    "ReplicaState",
+    "ResolvedConfig",
+    "RolloutEngine",
+    "SamplingParams",
+    "TensorSpec",
+    "TrainBatch",
+    "TrainerContext",
+    "TrainerEngine",
+    "Trajectory",
+    "WeightIntegrityError",
+    "WeightManifest",
+    "WeightTransport",
+    "__version__",
+    "hookimpl",
+    "load_config",
+    "unpack",
+]

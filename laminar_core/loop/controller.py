@@ -134,7 +134,7 @@ class Controller:
         return {
             "step": rec.step,
             "weight_version": rec.version,
-            "time": rec.end,
+            "wall_seconds": rec.end - self.t_start,
             "reward_mean": rec.reward_mean,
             "trajectories": rec.trajectories,
             "tokens": rec.tokens,
