@@ -32,10 +32,7 @@ class RecordingPolicy(RepackPolicy):
 
 
 def run_schedule(overrides: list[str], schedule: str) -> tuple[LocalRun, RecordingPolicy | None]:
-    partial = schedule.endswith("+partial")
-    spec = schedule.removesuffix("+partial")
-    extra = ["rollout.partial_rollout=true"] if partial else []
-    resolved = load_config(None, [*overrides, f"schedule={spec}", *extra])
+    resolved = load_config(None, [*overrides, f"schedule={schedule}"])
     holder: list = []
 
     async def main() -> LocalRun:

@@ -20,7 +20,12 @@ from omegaconf.errors import OmegaConfBaseException
 from laminar_core.algorithms.config import validate_algorithm
 from laminar_core.buffers.experience import SAMPLERS
 from laminar_core.config.schema import ENGINE_SECTIONS, LaminarConfig
-from laminar_core.loop.schedules import Schedule, ScheduleError, split_schedule_name
+from laminar_core.loop.schedules import (
+    Schedule,
+    ScheduleError,
+    schedule_flags,
+    split_schedule_name,
+)
 from laminar_core.plugins import PluginManager, UnknownPluginError, default_manager
 
 
@@ -186,9 +191,12 @@ def make_schedule(spec: str, cfg: LaminarConfig, pm: PluginManager) -> Schedule:
     except UnknownPluginError as e:
         raise ConfigError(f"schedule: {e}") from None
     try:
+        partial = "partial" in schedule_flags(spec)
+        if partial and name != "stale":
+            raise ScheduleError(f"'+partial' applies only to stale:K (got '{spec}')")
         return factory(
             arg,
-            partial_rollout=cfg.rollout.partial_rollout,
+            partial_rollout=cfg.rollout.partial_rollout or partial,
             max_ahead_batches=cfg.buffer.max_ahead_batches,
         )
     except ScheduleError as e:

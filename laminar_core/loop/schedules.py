@@ -10,7 +10,8 @@ trajectories under the new weights (AReaL's interruptible generation).
 * ``one_step`` (AsyncFlow / verl's delayed update): groups for step ``s`` may be generated
   by version ``s - 1``, so generation of the next batch overlaps training. Staleness <= 1.
 * ``stale:K`` (AReaL): groups for step ``s`` need version ``>= s - K``. Staleness <= K,
-  measured against the oldest version that contributed to a trajectory.
+  measured against the oldest version that contributed to a trajectory. ``stale:K+partial``
+  (or ``rollout.partial_rollout=true``) adds AReaL's interruptible generation.
 * ``laminar``: no lag bound; replicas refresh independently when free, the trainer takes
   groups in completion order; admission is limited only by ``max_ahead_batches`` of
   outstanding (admitted, not yet consumed) groups.
@@ -77,7 +78,8 @@ def make_stale(
         raise ScheduleError(
             f"schedule 'stale' needs a non-negative lag bound, e.g. 'stale:2' (got {arg!r})"
         )
-    return Schedule(f"stale:{k}", k, "by_batch", partial_rollout=partial_rollout)
+    name = f"stale:{k}+partial" if partial_rollout else f"stale:{k}"
+    return Schedule(name, k, "by_batch", partial_rollout=partial_rollout)
 
 
 def make_laminar(
@@ -97,7 +99,27 @@ BUILTIN_SCHEDULES = {
 }
 
 
+SCHEDULE_FLAGS = ("partial",)
+
+
 def split_schedule_name(spec: str) -> tuple[str, str | None]:
-    """``"stale:2"`` -> ``("stale", "2")``; ``"laminar"`` -> ``("laminar", None)``."""
-    name, sep, arg = str(spec).partition(":")
+    """``"stale:2"`` -> ``("stale", "2")``; ``"laminar"`` -> ``("laminar", None)``.
+
+    Flags after ``+`` (see ``schedule_flags``) are not part of the name or argument.
+    """
+    base = str(spec).split("+", 1)[0]
+    name, sep, arg = base.partition(":")
     return name.strip(), (arg.strip() if sep else None)
+
+
+def schedule_flags(spec: str) -> set[str]:
+    """``"stale:4+partial"`` -> ``{"partial"}``: per-schedule switches, so one study can
+    compare AReaL-style partial rollout (``stale:K+partial``) with plain ``stale:K``."""
+    flags = {f.strip() for f in str(spec).split("+")[1:]}
+    unknown = flags - set(SCHEDULE_FLAGS)
+    if unknown:
+        raise ScheduleError(
+            f"unknown schedule flag(s) {', '.join(sorted(unknown))} in '{spec}'; "
+            f"known: {', '.join(SCHEDULE_FLAGS)}"
+        )
+    return flags
