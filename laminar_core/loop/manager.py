@@ -154,7 +154,7 @@ class RolloutManager:
             self._kicked = True
             self._loop.call_soon(self._dispatch)
 
-    def _close(self, replica_id: str, _default: object = None) -> None:
+    def _close(self, replica_id: str) -> None:
         """Stop admitting to a replica (draining for an update, updating, or dead)."""
         if self._open.pop(replica_id, None) is not None:
             self._newest_open = None
@@ -296,7 +296,7 @@ class RolloutManager:
         def on_commit(version: int) -> None:
             for s in self.slots:
                 if s.relay is relay and s.alive and version > s.version:
-                    self._close(s.replica_id, None)  # stop admitting; drain, then pull
+                    self._close(s.replica_id)  # stop admitting; drain, then pull
                     s.wake.set()
 
         return on_commit
@@ -315,7 +315,7 @@ class RolloutManager:
 
     async def _pull(self, slot: ReplicaSlot) -> None:
         slot.updating = True
-        self._close(slot.replica_id, None)
+        self._close(slot.replica_id)
         t0 = self.now()
         data = slot.relay.read()
         try:
@@ -480,7 +480,7 @@ class RolloutManager:
         if not slot.alive:
             return
         slot.alive = False
-        self._close(slot.replica_id, None)
+        self._close(slot.replica_id)
         slot.wake.set()
         self.failed_replicas.append(slot.replica_id)
         log.warning(
