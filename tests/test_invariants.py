@@ -15,6 +15,7 @@ from laminar_core.sim.clock import run_virtual
 from laminar_core.types import FinishReason, Move, ReplicaState
 
 SCHEDULES = ["sync", "one_step", "stale:2", "stale:2+partial", "laminar"]
+VIRTUAL_LIMIT_S = 3600.0  # the small runs take ~100 virtual seconds
 BOUNDS = {"sync": 0, "one_step": 1, "stale:2": 2, "stale:2+partial": 2}
 
 
@@ -41,7 +42,8 @@ def run_schedule(overrides: list[str], schedule: str) -> tuple[LocalRun, Recordi
             rec = RecordingPolicy(run.manager.repack_policy)
             run.manager.repack_policy = rec
             holder.append(rec)
-        await run.controller.run(resolved.cfg.run.steps)
+        # a lost trajectory would stall the trainer forever: bound it in virtual time
+        await asyncio.wait_for(run.controller.run(resolved.cfg.run.steps), VIRTUAL_LIMIT_S)
         return run
 
     run = run_virtual(main())
@@ -132,7 +134,7 @@ def run_with_kill(overrides: list[str], schedule: str) -> LocalRun:
                     return
 
         task = asyncio.ensure_future(killer())
-        await run.controller.run(resolved.cfg.run.steps)
+        await asyncio.wait_for(run.controller.run(resolved.cfg.run.steps), VIRTUAL_LIMIT_S)
         task.cancel()
         return run
 
@@ -163,4 +165,78 @@ def test_configured_failure_is_injected(small_overrides: list[str]) -> None:
         [*small_overrides, "rollout.sim.failures=[{replica: 2, at_s: 1.0}]"], "laminar"
     )
     assert run.manager.failed_replicas == ["r2"]
+    check_accounting(run)
+
+
+def test_hung_replica_results_are_discarded(small_overrides: list[str]) -> None:
+    """A replica that stops answering heartbeats but keeps generating: its trajectories are
+    redirected, and the late results of the old attempts are ignored, not counted twice."""
+    resolved = load_config(
+        None,
+        [*small_overrides, "rollout.partial_sync_s=0.5", "rollout.heartbeat_timeout_s=2"],
+    )
+
+    async def main() -> LocalRun:
+        run = build_local_run(resolved)
+        slot = run.manager.by_id["r1"]
+        engine = slot.engine
+        real_stats = engine.stats
+        hung = asyncio.Event()
+
+        async def stats():
+            if hung.is_set():
+                await asyncio.sleep(1e6)  # never answers again
+            return await real_stats()
+
+        engine.stats = stats
+
+        async def trigger() -> None:
+            while True:
+                await asyncio.sleep(0.25)
+                items = [run.manager.pool.get(t) for t in slot.inflight]
+                if any(i and i.partial and i.partial.num_response_tokens > 0 for i in items):
+                    hung.set()
+                    return
+
+        task = asyncio.ensure_future(trigger())
+        await asyncio.wait_for(run.controller.run(resolved.cfg.run.steps), VIRTUAL_LIMIT_S)
+        task.cancel()
+        return run
+
+    run = run_virtual(main())
+    assert run.manager.failed_replicas == ["r1"]
+    assert run.manager.discarded > 0, "the hung replica's late results were not seen"
+    check_accounting(run)
+
+
+class CrossVersionPolicy(RepackPolicy):
+    """A broken policy: proposes moving work between replicas of different versions."""
+
+    def __init__(self) -> None:
+        self.proposed = 0
+
+    def plan(self, replicas: list[ReplicaState]) -> list[Move]:
+        for src in replicas:
+            for dst in replicas:
+                if src.version != dst.version and src.traj_ids:
+                    self.proposed += 1
+                    return [Move(src.replica_id, dst.replica_id, tuple(src.traj_ids))]
+        return []
+
+
+def test_manager_refuses_cross_version_moves(small_overrides: list[str]) -> None:
+    resolved = load_config(None, [*small_overrides, "schedule=laminar"])
+
+    async def main() -> tuple[LocalRun, CrossVersionPolicy]:
+        run = build_local_run(resolved)
+        policy = CrossVersionPolicy()
+        run.manager.repack_policy = policy
+        await asyncio.wait_for(run.controller.run(resolved.cfg.run.steps), VIRTUAL_LIMIT_S)
+        return run, policy
+
+    run, policy = run_virtual(main())
+    assert policy.proposed > 0
+    assert run.manager.refused_moves == policy.proposed and run.manager.moves == 0
+    trajs = [t for r in run.controller.records for t in r_trajs(run, r.step)]
+    assert all(t.versions == [t.version] and len(t.replicas) == 1 for t in trajs)
     check_accounting(run)

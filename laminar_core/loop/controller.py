@@ -84,7 +84,7 @@ class Controller:
     async def _one_step(self, loop: asyncio.AbstractEventLoop) -> None:
         step = self.step
         t0 = loop.time()
-        batch = await self.buffer.sample(step, self.groups_per_step)
+        batch = await self._sample(step)
         t1 = loop.time()
         trajs = batch.trajectories
         if self.keep_batches:
@@ -127,6 +127,20 @@ class Controller:
         )
         prev_end = self.records[-2].end if len(self.records) > 1 else self.t_start
         self.metrics.write(self._row(rec, prev_end))
+
+    async def _sample(self, step: int) -> TrainBatch:
+        """The next batch, unless the rollout manager breaks first (then raise)."""
+        sample = asyncio.ensure_future(self.buffer.sample(step, self.groups_per_step))
+        fatal = self.manager.fatal
+        if fatal is None:
+            return await sample
+        await asyncio.wait({sample, fatal}, return_when=asyncio.FIRST_COMPLETED)
+        if fatal.done():
+            sample.cancel()
+            raise RuntimeError(f"rollout manager failed: {fatal.exception()!r}") from (
+                fatal.exception()
+            )
+        return sample.result()
 
     def _row(self, rec: StepRecord, prev_end: float) -> dict[str, Any]:
         period = max(rec.end - prev_end, 1e-12)

@@ -104,6 +104,9 @@ class RolloutManager:
         self.redirected = 0
         self.restarted = 0
         self.failed_replicas: list[str] = []
+        self.discarded = 0  # results of superseded attempts (moved, redirected) ignored
+        self.refused_moves = 0
+        self.fatal: asyncio.Future | None = None  # set if the manager itself breaks
         self._orphans: deque[InFlight] = deque()  # need a replica of any version, from scratch
         self._open: dict[str, ReplicaSlot] = {s.replica_id: s for s in slots}
         self._newest_open: int | None = None  # cache of max version in _open; None: stale
@@ -117,6 +120,7 @@ class RolloutManager:
     # -- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
+        self.fatal = self._loop.create_future()
         await asyncio.gather(*(s.engine.start() for s in self.slots))
         for s in self.slots:
             s.relay.listeners.append(self._relay_listener(s.relay))
@@ -124,7 +128,19 @@ class RolloutManager:
         self._bg.append(asyncio.ensure_future(self._heartbeat_loop()))
         if self.repack_policy is not None:
             self._bg.append(asyncio.ensure_future(self._repack_loop()))
+        for t in self._bg:
+            t.add_done_callback(self._task_done)
         self._kick()
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        """A bug in the manager's own tasks stops the run (via ``fatal``) instead of
+        vanishing inside a task and silently losing trajectories."""
+        self._tasks.discard(task)
+        if task.cancelled() or task.exception() is None:
+            return
+        log.error("rollout manager task failed", exc_info=task.exception())
+        if self.fatal is not None and not self.fatal.done():
+            self.fatal.set_exception(task.exception())
 
     async def stop(self) -> None:
         """Stop admitting and generating; in-flight trajectories stay in the partial pool."""
@@ -240,7 +256,7 @@ class RolloutManager:
         slot.inflight.add(req.traj_id)
         task = asyncio.ensure_future(self._run(slot, req, item.attempt))
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._task_done)
 
     async def _run(self, slot: ReplicaSlot, req: GenerationRequest, attempt: int) -> None:
         tid = req.traj_id
@@ -265,8 +281,11 @@ class RolloutManager:
                 error=f"engine {slot.replica_id}: {type(e).__name__}: {e}",
             )
         item = self.pool.get(tid)
-        if item is None or item.attempt != attempt or traj.finish_reason is FinishReason.ABORTED:
-            return  # superseded by a move, a redirect or an abort: its owner resumes it
+        if item is None or item.attempt != attempt:
+            self.discarded += 1  # superseded by a move or a redirect: the new attempt counts
+            return
+        if traj.finish_reason is FinishReason.ABORTED:
+            return  # whoever aborted it (repack, partial rollout) resumes it
         self.pool.pop(tid)
         slot.inflight.discard(tid)
         traj.replicas = list(item.replicas)
@@ -377,9 +396,19 @@ class RolloutManager:
 
     async def snapshot(self) -> list[ReplicaState]:
         live = [s for s in self.slots if s.alive and not s.updating]
-        stats = await asyncio.gather(*(s.engine.stats() for s in live), return_exceptions=True)
+        probes = [asyncio.ensure_future(s.engine.stats()) for s in live]
+        late: set[asyncio.Future] = set()
+        if probes:
+            # a replica that does not answer is left out of this round (the heartbeat
+            # decides whether it is dead); repack never waits on it
+            _, late = await asyncio.wait(probes, timeout=self.opt.heartbeat_timeout_s)
+            for t in late:
+                t.cancel()
         states = []
-        for s, st in zip(live, stats):
+        for s, probe in zip(live, probes):
+            if probe in late:
+                continue
+            st = probe.exception() or probe.result()
             if isinstance(st, BaseException):
                 if isinstance(st, ReplicaFailure):
                     self._replica_failed(s, str(st))
@@ -407,6 +436,7 @@ class RolloutManager:
     async def _execute(self, mv: Move) -> None:
         src, dst = self.by_id[mv.source], self.by_id[mv.destination]
         if src.version != dst.version or not (src.alive and dst.alive) or dst.updating:
+            self.refused_moves += 1
             log.warning(
                 "repack: skipped %s -> %s (versions %s/%s, alive %s/%s)",
                 src.replica_id,
