@@ -66,6 +66,12 @@ def check_accounting(run: LocalRun) -> None:
     assert set().union(*parts) == admitted, "a trajectory was lost"
     steps = run.resolved.cfg.run.steps
     assert len(consumed) == steps * run.controller.groups_per_step * 4
+    # replicas hold only what the partial-response pool tracks (no leaked entry that would
+    # keep a replica from ever draining); the pool may also hold trajectories between
+    # replicas (mid-move, mid-update under partial rollout) when the run stopped
+    held = [t for s in run.manager.slots if s.alive for t in s.inflight]
+    assert len(held) == len(set(held)), "a trajectory is in flight on two replicas"
+    assert set(held) <= set(inflight), "a replica holds a trajectory the pool does not"
 
 
 def r_trajs(run: LocalRun, step: int):
