@@ -7,7 +7,6 @@ methods; the loop code does not change.
 
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -130,7 +129,6 @@ def build_local_run(
         events=events,
         needs_logprobs=cfg.algorithm.off_policy != "none",
     )
-    random.seed(cfg.run.seed)
     return LocalRun(
         resolved,
         schedule,
