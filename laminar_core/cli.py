@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from laminar_core.config import ConfigError, load_config
 from laminar_core.plugins import PluginResolveError, UnknownPluginError, default_manager
@@ -25,7 +26,9 @@ def _parser() -> argparse.ArgumentParser:
         s.add_argument("config", help="run config (YAML)")
         s.add_argument("overrides", nargs="*", help="key=value overrides")
         if name == "simulate":
-            s.add_argument("--out", help="write the result rows as JSON here")
+            s.add_argument(
+                "--out", help="write the result rows as JSON here (default: a new run directory)"
+            )
             s.add_argument("--schedules", help="comma-separated, replaces study.schedules")
     c = sub.add_parser("config", help="config utilities")
     csub = c.add_subparsers(dest="config_cmd", required=True)
@@ -58,8 +61,13 @@ def _simulate(args: argparse.Namespace) -> int:
     rows = run_study(resolved, schedules=schedules, progress=progress)
     print(format_table(rows))
     if args.out:
-        write_json(rows, args.out)
-        print(f"wrote {args.out}")
+        out = Path(args.out)
+    else:
+        from laminar_core.runtime.train import make_run_dir
+
+        out = make_run_dir(resolved) / "simulate.json"
+    write_json(rows, out)
+    print(f"wrote {out}")
     return 0
 
 

@@ -183,3 +183,15 @@ def test_unparsable_length_histogram(
     assert main(argv) == 2
     line = one_error_line(capsys)
     assert str(hist) in line and "length histogram" in line
+
+
+def test_simulate_without_out_writes_json_to_a_run_directory(
+    cfg_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    runs = tmp_path / "runs"
+    assert main(["simulate", str(cfg_file), f"run.out_dir={runs}", "--schedules", "sync"]) == 0
+    (run_dir,) = runs.iterdir()
+    rows = json.loads((run_dir / "simulate.json").read_text())
+    assert [r["schedule"] for r in rows] == ["sync"]
+    assert (run_dir / "config.yaml").exists()
+    assert f"wrote {run_dir / 'simulate.json'}" in capsys.readouterr().out
