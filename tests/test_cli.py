@@ -189,7 +189,8 @@ def test_simulate_without_out_writes_json_to_a_run_directory(
     cfg_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     runs = tmp_path / "runs"
-    assert main(["simulate", str(cfg_file), f"run.out_dir={runs}", "--schedules", "sync"]) == 0
+    argv = ["simulate", str(cfg_file), *TINY, f"run.out_dir={runs}", "--schedules", "sync"]
+    assert main(argv) == 0
     (run_dir,) = runs.iterdir()
     rows = json.loads((run_dir / "simulate.json").read_text())
     assert [r["schedule"] for r in rows] == ["sync"]
