@@ -20,10 +20,18 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--models", default="7b,32b,72b")
+    ap.add_argument(
+        "--set",
+        nargs="*",
+        default=[],
+        help="extra config overrides, e.g. trainer.sim.scaling_exponent=0.85",
+    )
     args = ap.parse_args()
     summary = []
     for model in args.models.split(","):
-        resolved = load_config(EXAMPLES / f"sweep_{model}.yaml", [f"run.steps={args.steps}"])
+        resolved = load_config(
+            EXAMPLES / f"sweep_{model}.yaml", [f"run.steps={args.steps}", *args.set]
+        )
         rows = run_study(
             resolved,
             progress=lambda r, model=model: say(
