@@ -2,10 +2,9 @@
 
 from laminar_core.loop.controller import Controller, StepRecord
 from laminar_core.loop.manager import ManagerOptions, ReplicaSlot, RolloutManager
-from laminar_core.loop.schedules import BUILTIN_SCHEDULES, Schedule, ScheduleError
+from laminar_core.loop.schedules import Schedule, ScheduleError
 
 __all__ = [
-    "BUILTIN_SCHEDULES",
     "Controller",
     "ManagerOptions",
     "ReplicaSlot",

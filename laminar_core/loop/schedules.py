@@ -91,14 +91,6 @@ def make_laminar(
     return Schedule("laminar", None, "fifo", max_ahead_batches=max_ahead_batches)
 
 
-BUILTIN_SCHEDULES = {
-    "sync": make_sync,
-    "one_step": make_one_step,
-    "stale": make_stale,
-    "laminar": make_laminar,
-}
-
-
 SCHEDULE_FLAGS = ("partial",)
 
 
