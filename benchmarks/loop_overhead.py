@@ -54,7 +54,6 @@ def measure(steps: int, replicas: int, schedule: str) -> tuple[int, float]:
 
     async def main() -> int:
         run = build_local_run(resolved)
-        run.controller.keep_batches = False
         await run.controller.run(steps)
         return sum(r.trajectories for r in run.controller.records)
 

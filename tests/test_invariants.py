@@ -38,6 +38,7 @@ def run_schedule(overrides: list[str], schedule: str) -> tuple[LocalRun, Recordi
 
     async def main() -> LocalRun:
         run = build_local_run(resolved)
+        run.controller.keep_batches = True
         if run.manager.repack_policy is not None:
             rec = RecordingPolicy(run.manager.repack_policy)
             run.manager.repack_policy = rec
@@ -129,6 +130,7 @@ def run_with_kill(overrides: list[str], schedule: str) -> LocalRun:
 
     async def main() -> LocalRun:
         run = build_local_run(resolved)
+        run.controller.keep_batches = True
         slot = run.manager.by_id["r1"]
 
         async def killer() -> None:
@@ -184,6 +186,7 @@ def test_hung_replica_results_are_discarded(small_overrides: list[str]) -> None:
 
     async def main() -> LocalRun:
         run = build_local_run(resolved)
+        run.controller.keep_batches = True
         slot = run.manager.by_id["r1"]
         engine = slot.engine
         real_stats = engine.stats
@@ -235,6 +238,7 @@ def test_manager_refuses_cross_version_moves(small_overrides: list[str]) -> None
 
     async def main() -> tuple[LocalRun, CrossVersionPolicy]:
         run = build_local_run(resolved)
+        run.controller.keep_batches = True
         policy = CrossVersionPolicy()
         run.manager.repack_policy = policy
         await asyncio.wait_for(run.controller.run(resolved.cfg.run.steps), VIRTUAL_LIMIT_S)

@@ -47,7 +47,7 @@ class Controller:
         events: EventLog | None = None,
         model_bytes: int | None = None,
         needs_logprobs: bool = False,
-        keep_batches: bool = True,
+        keep_batches: bool = False,
     ) -> None:
         if not trainers:
             raise ValueError("the controller needs at least one trainer rank")
@@ -61,7 +61,7 @@ class Controller:
         self.model_bytes = model_bytes
         self.needs_logprobs = needs_logprobs
         self.records: list[StepRecord] = []
-        self.batches: list[TrainBatch] = []  # kept only when keep_batches (tests, studies)
+        self.batches: list[TrainBatch] = []  # consumed batches, kept only with keep_batches
         self.keep_batches = keep_batches
         self.step = 0
         self.t_start = 0.0
