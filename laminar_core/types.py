@@ -106,7 +106,6 @@ class EngineStats:
     kv_use: float  # 0..1 share of KV capacity in use
     kv_capacity_tokens: int
     version: int
-    healthy: bool = True
 
 
 @dataclass(slots=True)

@@ -325,3 +325,13 @@ def test_top_level_list_rejected(tmp_path: Path) -> None:
 def test_errors_are_single_line() -> None:
     for overrides in (["rollout.max_concurent=4"], ["rollout.max_tokens=abc"], ["schedule=x"]):
         assert "\n" not in err(overrides)
+
+
+def test_unknown_data_source_is_a_config_error() -> None:
+    msg = err(["data.source=jsonl"])
+    assert "data.source" in msg and "'jsonl'" in msg and "synthetic" in msg
+
+
+def test_unknown_model_dtype_is_a_config_error() -> None:
+    msg = err(["model.dtype=bf16"])
+    assert "model.dtype" in msg and "did you mean 'bfloat16'" in msg

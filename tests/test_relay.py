@@ -403,3 +403,111 @@ def test_sim_tier_picks_optimal_chunks_from_link_model() -> None:
     res = run_virtual(main())
     # p = 8 endpoints: k* = sqrt(6 * 1e7 * 1e-9 / 0.01) = sqrt(6) ~ 2.45
     assert res.buckets == optimal_chunks(8, model_bytes, 1e-9, 0.01) == 2
+
+
+class CountingTransport(InProcessTransport):
+    """Records, at each send from the trainer, how many tensors the export had yielded."""
+
+    def __init__(self, fabric: InProcessFabric, pulled: list[int], seen: list[int]) -> None:
+        super().__init__(fabric)
+        self.pulled, self.seen = pulled, seen
+
+    async def send(self, bucket: Bucket, peer: int) -> None:
+        if self.rank == 0:
+            self.seen.append(self.pulled[0])
+        await super().send(bucket, peer)
+
+
+def test_publish_streams_the_export_after_the_first_version() -> None:
+    """From the second version on, buckets leave while the export is still being walked
+    (the trainer never holds the whole model as bytes)."""
+    pulled, seen = [0], []
+
+    def export(version: int):
+        for i in range(8):
+            pulled[0] += 1
+            yield f"w{i}", torch.full((256,), float(version))
+
+    async def main() -> None:
+        fabric = InProcessFabric()
+        relays = [NodeRelay(i, i) for i in range(3)]
+        tier = RelayTier(
+            relays, lambda r: CountingTransport(fabric, pulled, seen), bucket_bytes=1024
+        )
+        await tier.open()
+        await tier.publish(1, export(1))
+        assert seen and min(seen) == 8  # first version: walked once to learn its size
+        pulled[0], seen[:] = 0, []
+        await tier.publish(2, export(2))
+        await tier.close()
+        assert seen[0] < 8, "the second version was materialised before sending"
+        got = dict(unpack(relays[-1].read().manifest, relays[-1].read().buckets))
+        assert torch.equal(got["w7"], torch.full((256,), 2.0))
+
+    asyncio.run(main())
+
+
+def test_publish_rejects_an_export_of_another_size_and_recovers() -> None:
+    """A version whose export changed size is refused before it completes anywhere; relays
+    keep the last good version, and the next correct version goes through."""
+
+    async def main() -> None:
+        fabric = InProcessFabric()
+        relays = [NodeRelay(i, i) for i in range(3)]
+        tier = RelayTier(relays, lambda r: InProcessTransport(fabric), bucket_bytes=1000)
+        await tier.open()
+        await tier.publish(1, [("w", torch.zeros(1000))])  # 4000 bytes, 4 buckets
+        for bad in ([("w", torch.zeros(1100))], [("w", torch.zeros(900))]):
+            with pytest.raises(WeightIntegrityError, match="not the announced 4000 bytes"):
+                await tier.publish(2, bad)
+            assert [r.version for r in relays] == [1, 1, 1]
+        await tier.publish(2, [("w", torch.ones(1000))])
+        await tier.close()
+        assert [r.version for r in relays] == [2, 2, 2]
+        got = dict(unpack(relays[-1].read().manifest, relays[-1].read().buckets))
+        assert torch.equal(got["w"], torch.ones(1000))
+
+    asyncio.run(main())
+
+
+class CorruptingTransport(InProcessTransport):
+    """Flips one byte of bucket 1 of version 2 on the link from relay rank 2 onwards."""
+
+    async def send(self, bucket: Bucket, peer: int) -> None:
+        if self.rank == 2 and bucket.version == 2 and bucket.index == 1 and bucket.data:
+            data = bytearray(bucket.data)
+            data[0] ^= 0xFF
+            bucket = Bucket(bucket.version, bucket.index, bucket.nbytes, bucket.checksum, data)
+        await super().send(bucket, peer)
+
+
+def test_corrupt_bucket_mid_chain_keeps_last_good_version_and_never_hangs() -> None:
+    async def main() -> None:
+        fabric = InProcessFabric()
+        relays = [NodeRelay(i, i) for i in range(4)]
+        tier = RelayTier(relays, lambda r: CorruptingTransport(fabric), bucket_bytes=1000)
+        await tier.open()
+        await tier.publish(1, [("w", torch.zeros(1000))])
+        await tier.publish(2, [("w", torch.ones(1000))])
+        await tier.publish(3, [("w", torch.full((1000,), 3.0))])  # waits for 2's broadcast
+        await tier.close()
+        return [r.version for r in relays]
+
+    versions_after_3 = asyncio.run(asyncio.wait_for(main(), 30))
+    assert versions_after_3 == [3, 3, 3, 3]
+
+
+def test_corrupt_bucket_mid_chain_rejected_downstream() -> None:
+    async def main() -> list[int]:
+        fabric = InProcessFabric()
+        relays = [NodeRelay(i, i) for i in range(4)]
+        tier = RelayTier(relays, lambda r: CorruptingTransport(fabric), bucket_bytes=1000)
+        await tier.open()
+        await tier.publish(1, [("w", torch.zeros(1000))])
+        await tier.publish(2, [("w", torch.ones(1000))])
+        await tier.close()  # waits for the broadcast to end
+        return [r.version for r in relays]
+
+    # relays 1 and 2 (ranks 1, 2) got clean bytes; rank 3 got the flipped byte and rank 4
+    # only the abort marker: both keep version 1
+    assert asyncio.run(asyncio.wait_for(main(), 30)) == [2, 2, 1, 1]

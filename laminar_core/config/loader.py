@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -27,6 +28,8 @@ from laminar_core.loop.schedules import (
     split_schedule_name,
 )
 from laminar_core.plugins import PluginManager, UnknownPluginError, default_manager
+
+DATA_SOURCES = ("synthetic",)  # prompt sources core knows; dataset files come with tasks
 
 
 class ConfigError(ValueError):
@@ -267,6 +270,16 @@ def _positive(cfg: LaminarConfig) -> None:
 def validate(cfg: LaminarConfig, pm: PluginManager) -> None:
     """Semantic checks across sections (types were checked by OmegaConf)."""
     _positive(cfg)
+    if cfg.data.source not in DATA_SOURCES:
+        raise ConfigError(
+            f"data.source: unknown '{cfg.data.source}'; known: {', '.join(DATA_SOURCES)}"
+            f"{_close(cfg.data.source, DATA_SOURCES)}"
+        )
+    if not isinstance(getattr(torch, cfg.model.dtype, None), torch.dtype):
+        raise ConfigError(
+            f"model.dtype: '{cfg.model.dtype}' is not a torch dtype; e.g. bfloat16, float16, "
+            f"float32{_close(cfg.model.dtype, ('bfloat16', 'float16', 'float32'))}"
+        )
     try:
         validate_algorithm(cfg.algorithm)
     except ValueError as e:

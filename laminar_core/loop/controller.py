@@ -45,7 +45,6 @@ class Controller:
         groups_per_step: int,
         metrics: MetricsWriter | None = None,
         events: EventLog | None = None,
-        model_bytes: int | None = None,
         needs_logprobs: bool = False,
         keep_batches: bool = False,
     ) -> None:
@@ -58,7 +57,6 @@ class Controller:
         self.groups_per_step = groups_per_step
         self.metrics = metrics or MetricsWriter(None)
         self.events = events or EventLog(enabled=False)
-        self.model_bytes = model_bytes
         self.needs_logprobs = needs_logprobs
         self.records: list[StepRecord] = []
         self.batches: list[TrainBatch] = []  # consumed batches, kept only with keep_batches
@@ -93,9 +91,7 @@ class Controller:
             await asyncio.gather(*(t.compute_logprobs(batch) for t in self.trainers))
         results = await asyncio.gather(*(t.train_step(batch) for t in self.trainers))
         version = step + 1
-        pub = await self.relays.publish(
-            version, self.trainers[0].export_weights(), self.model_bytes
-        )
+        pub = await self.relays.publish(version, self.trainers[0].export_weights())
         t2 = loop.time()
         self.step = version
         self.manager.on_trainer_step(version, self.manager.consumed_groups + len(batch.groups))

@@ -70,7 +70,6 @@ class ReplicaSlot:
     prev_kv: float = 1.0
     inflight: set[str] = field(default_factory=set)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
-    pulls: int = 0
 
 
 class RolloutManager:
@@ -96,9 +95,7 @@ class RolloutManager:
         self.events = events or EventLog(enabled=False)
         self.pool = PartialPool()
         self.admitted_groups = 0
-        self.admitted_trajectories = 0
         self.consumed_groups = 0
-        self.finished = 0
         self.moved = 0
         self.moves = 0
         self.redirected = 0
@@ -122,8 +119,8 @@ class RolloutManager:
         self._loop = asyncio.get_running_loop()
         self.fatal = self._loop.create_future()
         await asyncio.gather(*(s.engine.start() for s in self.slots))
-        for s in self.slots:
-            s.relay.listeners.append(self._relay_listener(s.relay))
+        for relay in {id(s.relay): s.relay for s in self.slots}.values():
+            relay.listeners.append(self._relay_listener(relay))
         self._bg = [asyncio.ensure_future(self._driver(s)) for s in self.slots]
         self._bg.append(asyncio.ensure_future(self._heartbeat_loop()))
         if self.repack_policy is not None:
@@ -226,7 +223,6 @@ class RolloutManager:
         group = self.prompts.next_group()
         self.buffer.expect(group.group_id, group.index, group.samples, batch_tag=tag)
         self.admitted_groups += 1
-        self.admitted_trajectories += group.samples
         prompt = group.prompt
         base_key = group.index * group.samples
         for j in range(group.samples):
@@ -295,7 +291,6 @@ class RolloutManager:
             except Exception as e:  # a raising reward marks the trajectory failed, run goes on
                 traj.finish_reason = FinishReason.FAILED
                 traj.error = f"reward: {type(e).__name__}: {e}"
-        self.finished += 1
         self.events.record(
             traj.finish_time,
             "trajectory",
@@ -345,7 +340,6 @@ class RolloutManager:
             return
         slot.version = data.version
         slot.updating = False
-        slot.pulls += 1
         self.events.record(
             self.now(),
             "weight_pull",

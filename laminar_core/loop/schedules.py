@@ -42,11 +42,6 @@ class Schedule:
             return outstanding_groups < self.max_ahead_batches * groups_per_step
         return batch_tag <= replica_version + self.max_lag
 
-    @property
-    def bound(self) -> int | None:
-        """The staleness the schedule guarantees (None: not bounded by the schedule)."""
-        return self.max_lag
-
 
 def _no_arg(name: str, arg: str | None) -> None:
     if arg is not None:

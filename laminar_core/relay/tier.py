@@ -20,12 +20,13 @@ import torch
 from laminar_core.interfaces import WeightTransport
 from laminar_core.relay.latency import optimal_chunks
 from laminar_core.relay.node import NodeRelay
-from laminar_core.relay.packing import BucketPacker
+from laminar_core.relay.packing import BucketPacker, WeightIntegrityError
 from laminar_core.types import Bucket
 
 log = logging.getLogger(__name__)
 
 TRAINER_RANK = 0  # relays are ranks 1..p in chain order; relay rank 1 is the master
+ABORT = -1  # bucket index of the marker that abandons a version down the chain
 
 
 @dataclass
@@ -60,8 +61,8 @@ class RelayTier:
         self.chunks = chunks
         self._transports: dict[int, WeightTransport] = {}
         self._previous: asyncio.Task | None = None
+        self._model_bytes: int | None = None  # size of the last version published
         self.history: list[PublishResult] = []
-        self.broadcast_seconds: list[float] = []
 
     async def open(self) -> None:
         ranks = [TRAINER_RANK, *range(1, len(self.relays) + 1)]
@@ -94,33 +95,70 @@ class RelayTier:
         model_bytes: int | None = None,
     ) -> PublishResult:
         """Push ``version`` to the master; return once the master holds it (the trainer's
-        stall). The chain broadcast continues in the background."""
+        stall). The chain broadcast continues in the background.
+
+        The export is streamed bucket by bucket, so the trainer holds one bucket at a time.
+        The chunk size needs the model's size up front: ``model_bytes`` if given, else the
+        previous version's (weights keep their size); only the very first publish walks the
+        export once to measure it.
+        """
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         if self._previous is not None:
             await asyncio.gather(self._previous, return_exceptions=True)
-        tensors = list(named_tensors)
         if model_bytes is None:
-            model_bytes = sum(t.numel() * t.element_size() for _, t in tensors)
-        packer = BucketPacker(tensors, version, self.chunk_bytes(model_bytes))
-        buckets = list(packer.buckets())
-        manifest = packer.manifest
-        chain = [r for r in self.relays if r.alive]
-        ranks = [self.relays.index(r) + 1 for r in chain]
-        for r in chain:
-            r.begin(version, len(buckets))
+            model_bytes = self._model_bytes
+        if model_bytes is None:
+            named_tensors = list(named_tensors)
+            model_bytes = sum(t.numel() * t.element_size() for _, t in named_tensors)
+        chunk = self.chunk_bytes(model_bytes)
+        count = math.ceil(model_bytes / chunk)
+        packer = BucketPacker(named_tensors, version, chunk)
+        chain = [(rank, r) for rank, r in enumerate(self.relays, start=1) if r.alive]
+        for _, r in chain:
+            r.begin(version, count)
         master_done = loop.create_future()
 
+        def check(index: int, nbytes: int) -> None:
+            want = min(chunk, model_bytes - index * chunk)
+            if index >= count or nbytes != want:
+                raise WeightIntegrityError(
+                    f"version {version}: the export is not the announced {model_bytes} bytes "
+                    f"(bucket {index} has {nbytes}, expected {max(want, 0)}); weights must keep "
+                    "their names, shapes and dtypes between versions"
+                )
+
         async def trainer_send() -> None:
-            tr = self._transports[TRAINER_RANK]
-            for b in buckets:
-                await tr.send(b, ranks[0])
+            # Each bucket is checked before it leaves, and the last one is held back until
+            # the export is exhausted, so a wrong-sized export never completes a version.
+            tr, dst, held = self._transports[TRAINER_RANK], chain[0][0], None
+            for b in packer.buckets():
+                check(b.index, b.nbytes)
+                if held is not None:
+                    await tr.send(held, dst)
+                held = b
+            if len(packer.sizes) != count:
+                check(len(packer.sizes), 0)
+            if held is not None:
+                await tr.send(held, dst)
+
+        async def abort_chain() -> None:
+            # Travels the chain like data, so every link is left empty for the next publish.
+            await self._transports[TRAINER_RANK].send(Bucket(version, ABORT, 0), chain[0][0])
+            await asyncio.gather(*pipes, return_exceptions=True)
 
         async def relay_pipe(i: int) -> None:
-            relay, rank = chain[i], ranks[i]
+            """Receive every bucket from the predecessor, forwarding each as it lands.
+
+            A bucket that fails its checks (or an abort marker from upstream) turns the
+            rest of this version into a drain: the relay keeps its last good version,
+            forwards one abort marker, and still reads what upstream sends so every link
+            is empty for the next publish.
+            """
+            rank, relay = chain[i]
             tr = self._transports[rank]
-            pred = TRAINER_RANK if i == 0 else ranks[i - 1]
-            nxt = ranks[i + 1] if i + 1 < len(chain) else None
+            pred = TRAINER_RANK if i == 0 else chain[i - 1][0]
+            nxt = chain[i + 1][0] if i + 1 < len(chain) else None
             fwd: asyncio.Queue[Bucket | None] = asyncio.Queue()
 
             async def forward() -> None:
@@ -128,38 +166,54 @@ class RelayTier:
                     await tr.send(b, nxt)  # type: ignore[arg-type]
 
             fwd_task = asyncio.ensure_future(forward()) if nxt is not None else None
+            failure: BaseException | None = None
             try:
-                for _ in range(len(buckets)):
+                for _ in range(count):
                     b = await tr.recv(pred)
-                    relay.put(b)
+                    if b.index == ABORT:  # upstream gave up: it sends nothing after this
+                        if failure is None:
+                            failure = WeightIntegrityError(f"version {version} abandoned upstream")
+                            if fwd_task is not None:
+                                fwd.put_nowait(b)
+                        break
+                    if failure is not None:
+                        continue  # draining what upstream still sends
+                    try:
+                        relay.put(b)
+                    except WeightIntegrityError as e:
+                        failure, b = e, Bucket(version, ABORT, 0)
                     if fwd_task is not None:
                         fwd.put_nowait(b)
             finally:
                 if fwd_task is not None:
                     fwd.put_nowait(None)
-            if i == 0 and not master_done.done():
-                master_done.set_result(loop.time())
             try:
-                # Serve the version as soon as it is complete here; forwarding goes on.
-                relay.commit(manifest)
+                if failure is not None:
+                    relay.abandon(version)
+                    raise failure
+                if i == 0 and not master_done.done():
+                    master_done.set_result(loop.time())
+                relay.commit(packer.manifest)  # serve it as soon as it is complete here
             finally:
                 if fwd_task is not None:
                     await fwd_task
 
         pipes = [asyncio.ensure_future(relay_pipe(i)) for i in range(len(chain))]
-        sender = asyncio.ensure_future(trainer_send())
-        await sender
+        try:
+            await trainer_send()
+        except WeightIntegrityError:
+            await abort_chain()
+            raise
         await asyncio.wait([master_done, pipes[0]], return_when=asyncio.FIRST_COMPLETED)
         if pipes[0].done() and pipes[0].exception() is not None:
             raise pipes[0].exception()  # type: ignore[misc]
-        stall = loop.time() - t0
-        result = PublishResult(version, manifest.total_bytes, len(buckets), stall)
+        self._model_bytes = model_bytes
+        result = PublishResult(version, model_bytes, count, loop.time() - t0)
         self.history.append(result)
 
         async def finish() -> None:
             outcomes = await asyncio.gather(*pipes, return_exceptions=True)
-            self.broadcast_seconds.append(loop.time() - t0)
-            for relay, out in zip(chain, outcomes):
+            for (_, relay), out in zip(chain, outcomes):
                 if isinstance(out, BaseException):
                     relay.abandon(version)
                     log.error(

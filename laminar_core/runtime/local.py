@@ -46,7 +46,7 @@ def build_dataset(resolved: ResolvedConfig):
     d, seed = resolved.cfg.data, resolved.cfg.run.seed
     if d.source == "synthetic":
         return SyntheticPrompts(d.size, d.prompt_min_tokens, d.prompt_max_tokens, seed=seed)
-    raise ValueError(f"data.source: unknown '{d.source}'; known: synthetic")
+    raise ValueError(f"data.source: unknown '{d.source}'")  # the config check names the fix
 
 
 def build_local_run(
@@ -55,17 +55,19 @@ def build_local_run(
     pm: PluginManager | None = None,
     run_dir: Path | None = None,
     reward_fn: RewardFn | None = None,
+    record_events: bool | None = None,
 ) -> LocalRun:
     """Construct every component for ``schedule_spec`` (default: the config's schedule).
 
     Must be called inside a running event loop (components create asyncio primitives).
+    ``record_events`` overrides ``telemetry.events`` (studies keep no timeline).
     """
     pm = pm or default_manager()
     cfg = resolved.cfg
     schedule = make_schedule(schedule_spec or cfg.schedule, cfg, pm)
     place = plan_placement(cfg, schedule)
     shared: dict = {}
-    events = EventLog(enabled=cfg.telemetry.events)
+    events = EventLog(enabled=cfg.telemetry.events if record_events is None else record_events)
 
     def ctx(section: str, index: int, name: str, gpus: int) -> BuildContext:
         return BuildContext(cfg, resolved.engine_options.get(section), index, name, gpus, shared)

@@ -108,10 +108,8 @@ class SimRolloutEngine(RolloutEngine):
         self._timer: asyncio.TimerHandle | None = None
         self._dead = False
         self._started = False
-        # Integrals for utilisation: batch-occupancy seconds (capped at the roofline batch)
-        # and busy seconds (any request running).
+        # Utilisation integral: batch-occupancy seconds, capped at the roofline batch.
         self.occupancy_seconds = 0.0
-        self.busy_seconds = 0.0
         self.tokens_generated = 0
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -155,7 +153,6 @@ class SimRolloutEngine(RolloutEngine):
         now = asyncio.get_running_loop().time()
         n = len(self._running)
         if n:
-            self.busy_seconds += now - self._last
             begin = max(self._last, self._stall_until)
             step = self._step_time(n)
             if step == 0 and now >= self._stall_until:

@@ -95,7 +95,7 @@ def simulate_schedule(
     wall0 = time.perf_counter()
 
     async def main() -> LocalRun:
-        run = build_local_run(resolved, schedule, pm)
+        run = build_local_run(resolved, schedule, pm, record_events=False)
         await run.controller.run(resolved.cfg.run.steps)
         return run
 

@@ -27,9 +27,6 @@ class EventLog:
         if self.enabled:
             self.events.append((t, kind, actor, duration, fields))
 
-    def of_kind(self, kind: str) -> list[tuple[float, str, str, float, dict[str, Any]]]:
-        return [e for e in self.events if e[1] == kind]
-
     def write_chrome_trace(self, path: str | Path) -> None:
         """A Chrome-trace / Perfetto timeline: one row per actor, spans for timed events."""
         actors: dict[str, int] = {}
