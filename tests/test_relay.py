@@ -20,6 +20,7 @@ from laminar_core.relay import (
     unpack,
     verify_bucket,
 )
+from laminar_core.relay.packing import checksum
 from laminar_core.sim.clock import run_virtual
 from laminar_core.sim.config import SimTransportConfig
 from laminar_core.sim.transport import SimFabric, SimTransport
@@ -511,3 +512,11 @@ def test_corrupt_bucket_mid_chain_rejected_downstream() -> None:
     # relays 1 and 2 (ranks 1, 2) got clean bytes; rank 3 got the flipped byte and rank 4
     # only the abort marker: both keep version 1
     assert asyncio.run(asyncio.wait_for(main(), 30)) == [2, 2, 1, 1]
+
+
+@pytest.mark.parametrize("index", [-2, 3])
+def test_node_relay_rejects_bucket_index_out_of_range(index: int) -> None:
+    relay = NodeRelay(0, 0)
+    relay.begin(1, 3)
+    with pytest.raises(WeightIntegrityError, match="has 3 buckets"):
+        relay.put(Bucket(1, index, 4, checksum(b"abcd"), b"abcd"))

@@ -57,6 +57,11 @@ class NodeRelay:
             raise WeightIntegrityError(
                 f"relay {self.relay_id}: bucket for version {bucket.version} that is not staged"
             )
+        if not 0 <= bucket.index < len(stage):
+            raise WeightIntegrityError(
+                f"relay {self.relay_id}: version {bucket.version} has {len(stage)} buckets, "
+                f"got bucket index {bucket.index}"
+            )
         verify_bucket(bucket)
         stage[bucket.index] = bucket
 

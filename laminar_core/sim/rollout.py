@@ -289,13 +289,14 @@ class SimRolloutEngine(RolloutEngine):
         self._advance()
         out = []
         wanted = set(traj_ids)
+        waiting = {w.request.traj_id: w for w in self._waiting if w.request.traj_id in wanted}
         for tid in traj_ids:
             req = self._running.get(tid)
             if req is not None:
                 part = self._partial(req)
                 self._remove(req)
             else:
-                req = next((w for w in self._waiting if w.request.traj_id == tid), None)
+                req = waiting.get(tid)
                 if req is None:
                     continue  # already finished: its generate call returned normally
                 part = self._partial(req)
@@ -313,8 +314,8 @@ class SimRolloutEngine(RolloutEngine):
                         replicas=[self.replica_id],
                     )
                 )
-        if any(w.request.traj_id in wanted for w in self._waiting):
-            self._waiting = deque(w for w in self._waiting if w.request.traj_id not in wanted)
+        if waiting:
+            self._waiting = deque(w for w in self._waiting if w.request.traj_id not in waiting)
         self._admit()
         self._reschedule()
         return out
