@@ -18,9 +18,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import inspect
 import logging
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from laminar_core.buffers import ExperienceBuffer, InFlight, PartialPool, PromptPool
@@ -41,7 +42,9 @@ from laminar_core.types import (
 
 log = logging.getLogger(__name__)
 
-RewardFn = Callable[[Trajectory], float]
+# A reward is a plain or async callable; async rewards (thread-offloaded, timed out) keep the
+# manager's event loop free while they run.
+RewardFn = Callable[[Trajectory], "float | Awaitable[float]"]
 
 
 @dataclass
@@ -287,7 +290,10 @@ class RolloutManager:
         traj.replicas = list(item.replicas)
         if self.reward_fn is not None and traj.finish_reason is not FinishReason.FAILED:
             try:
-                traj.reward = float(self.reward_fn(traj))
+                reward = self.reward_fn(traj)
+                if inspect.isawaitable(reward):
+                    reward = await reward
+                traj.reward = float(reward)
             except Exception as e:  # a raising reward marks the trajectory failed, run goes on
                 traj.finish_reason = FinishReason.FAILED
                 traj.error = f"reward: {type(e).__name__}: {e}"
