@@ -1,0 +1,146 @@
+"""Does a tiny random-init model learn the shipped ``repeat`` task with GRPO on a CPU?
+
+A pure-torch GRPO loop (no Laminar runtime): the tiny Qwen2-style model from
+``laminar_core.models.build_tiny_model``, sampling with ``model.generate``, core's GRPO
+advantages and policy loss, one optimizer step per batch (on-policy). Prints reward mean per
+step; the figures in docs/tasks.md come from here.
+
+OMP_NUM_THREADS=1 python benchmarks/task_learnability.py [--steps 60 --lr 3e-3 ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import tempfile
+import time
+
+import torch
+from _common import say
+
+from laminar_core.algorithms import AlgorithmConfig, compute_advantages, policy_loss
+from laminar_core.models import build_tiny_model
+from laminar_core.tasks.repeat import RepeatTask, repeat_reward
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--prompts", type=int, default=8, help="GRPO groups per step")
+    ap.add_argument("--samples", type=int, default=8, help="samples per prompt")
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--heads", type=int, default=2)
+    ap.add_argument("--kv-heads", type=int, default=1)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--letters", default="abc")
+    ap.add_argument("--median-count", type=float, default=6.0)
+    ap.add_argument("--max-count", type=int, default=48)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", help="write the per-step rows here")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    torch.manual_seed(args.seed)
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tmp = tempfile.mkdtemp(prefix="laminar-tiny-")
+    build_tiny_model(
+        tmp,
+        seed=args.seed,
+        hidden_size=args.hidden,
+        layers=args.layers,
+        heads=args.heads,
+        kv_heads=args.kv_heads,
+    )
+    tok = AutoTokenizer.from_pretrained(tmp)
+    model = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    task = RepeatTask(
+        seed=args.seed,
+        letters=args.letters,
+        median_count=args.median_count,
+        max_count=args.max_count,
+    )
+    algo = AlgorithmConfig()
+    rng = random.Random(args.seed)
+    eos, pad = tok.eos_token_id, tok.pad_token_id
+    rows, t0 = [], time.perf_counter()
+    say(f"model params: {sum(p.numel() for p in model.parameters()):,}; args: {vars(args)}")
+    for step in range(args.steps):
+        batch = [task[rng.randrange(len(task))] for _ in range(args.prompts)]
+        prompts = [tok.encode(r["prompt"], add_special_tokens=False) for r in batch]
+        prompts = [p for p in prompts for _ in range(args.samples)]
+        plen = max(map(len, prompts))
+        ids = torch.tensor([[pad] * (plen - len(p)) + p for p in prompts])
+        attn = (
+            torch.arange(plen) >= torch.tensor([plen - len(p) for p in prompts])[:, None]
+        ).long()
+        model.eval()
+        with torch.no_grad():
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=attn,
+                do_sample=True,
+                temperature=args.temperature,
+                top_k=0,
+                top_p=1.0,
+                max_new_tokens=args.max_tokens,
+                eos_token_id=eos,
+                pad_token_id=pad,
+            )
+        resp = out[:, plen:]
+        # Response tokens up to and including the first EOS (what a rollout engine returns).
+        is_eos = resp == eos
+        after = (is_eos.cumsum(1) - is_eos.long()) > 0
+        mask = ~after & (torch.arange(resp.shape[1]) < resp.shape[1])
+        texts = [
+            tok.decode(r[m].tolist(), skip_special_tokens=True)
+            for r, m in zip(resp, mask, strict=True)
+        ]
+        rewards = torch.tensor(
+            [repeat_reward(t, batch[i // args.samples]) for i, t in enumerate(texts)]
+        )
+        groups = torch.arange(len(prompts)) // args.samples
+        adv = compute_advantages("grpo", rewards, groups)
+
+        model.train()
+        full = torch.cat([ids, resp], 1)
+        full_mask = torch.cat([attn, mask.long()], 1)
+        pos = (full_mask.cumsum(1) - 1).clamp_min(0)
+        logits = model(input_ids=full, attention_mask=full_mask, position_ids=pos).logits
+        logits = logits[:, plen - 1 : -1].float()
+        logp = torch.log_softmax(logits / args.temperature, -1).gather(-1, resp[..., None])[..., 0]
+        loss, _ = policy_loss(algo, logp, logp.detach(), adv, mask)
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+
+        lengths = mask.sum(1).float()
+        row = {
+            "step": step,
+            "reward_mean": rewards.mean().item(),
+            "exact": (rewards == 1.0).float().mean().item(),
+            "len_mean": lengths.mean().item(),
+            "len_p50": lengths.median().item(),
+            "len_max": lengths.max().item(),
+            "stopped": is_eos.any(1).float().mean().item(),
+            "wall_s": time.perf_counter() - t0,
+        }
+        rows.append(row)
+        say(
+            f"step {step:>3}  reward {row['reward_mean']:.3f}  exact {row['exact']:.3f}  "
+            f"len mean {row['len_mean']:5.1f} p50 {row['len_p50']:4.0f} max {row['len_max']:3.0f}  "
+            f"stopped {row['stopped']:.2f}  {row['wall_s']:6.1f} s  e.g. {texts[0][:24]!r}"
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

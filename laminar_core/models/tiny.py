@@ -1,0 +1,171 @@
+"""A tiny Qwen2-style model and character-level tokenizer, built locally (no model hub).
+
+:func:`build_tiny_model` writes a Hugging Face-format directory that
+``transformers.AutoModelForCausalLM`` / ``AutoTokenizer`` and vLLM load like any hub model:
+
+- ``config.json`` -- ``Qwen2ForCausalLM``, tied embeddings, float32, vocab padded to 64;
+- ``model.safetensors`` -- seeded random init (transformers' own ``_init_weights``);
+- ``generation_config.json``;
+- ``tokenizer.json`` + ``tokenizer_config.json`` -- a byte-level BPE without merges, i.e. one
+  token per character of :data:`ALPHABET` (printable ASCII, tab, newline), three special
+  tokens, and reserved filler tokens so that *every* id the model can sample decodes to
+  something (vLLM samples from the full, padded vocabulary). It is built exactly like Qwen2's
+  own tokenizer, because transformers rebuilds any ``model_type: qwen2`` tokenizer that way.
+
+transformers, tokenizers and safetensors are imported lazily: core does not depend on them.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+PAD, BOS, EOS = "<|pad|>", "<|bos|>", "<|eos|>"
+SPECIAL_TOKENS = (PAD, BOS, EOS)  # ids 0, 1, 2
+# The characters the tokenizer knows: printable ASCII plus tab and newline. Bytes outside it
+# are dropped by the (byte-level, merge-free) BPE; keeping the alphabet small keeps the vocab
+# at 128, which is what lets a randomly initialised model find the right letters by sampling.
+ALPHABET = "\t\n" + "".join(chr(c) for c in range(32, 127))
+# Qwen2's pre-tokenizer split (transformers rebuilds the tokenizer with it for model_type
+# qwen2, so ours must match it to behave identically everywhere).
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable-character map used by byte-level BPE."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    keep += list(range(ord("®"), ord("ÿ") + 1))
+    chars, n = list(keep), 0
+    for b in range(256):
+        if b not in keep:
+            keep.append(b)
+            chars.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(keep, chars, strict=True)}
+
+
+def char_vocab() -> list[str]:
+    """Token strings in id order: the specials, then one byte-level token per ALPHABET char."""
+    table = _bytes_to_unicode()
+    return [*SPECIAL_TOKENS, *(table[ord(c)] for c in ALPHABET)]
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _build_tokenizer(vocab_size: int):
+    """A byte-level BPE with no merges (one token per character), as Qwen2's tokenizer is built.
+
+    Ids past the alphabet up to ``vocab_size`` are reserved special tokens, so every id the
+    model can sample decodes.
+    """
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers
+    from tokenizers.models import BPE
+
+    tokens = char_vocab()
+    reserved = [f"<|reserved_{i}|>" for i in range(vocab_size - len(tokens))]
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    tok = Tokenizer(
+        BPE(vocab=vocab, merges=[], continuing_subword_prefix="", end_of_word_suffix="")
+    )
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(_QWEN2_SPLIT), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True) for t in (*SPECIAL_TOKENS, *reserved)])
+    return tok
+
+
+def build_tiny_model(
+    out_dir: str | Path,
+    *,
+    seed: int = 0,
+    hidden_size: int = 128,
+    layers: int = 2,
+    heads: int = 2,
+    kv_heads: int = 1,
+    intermediate_size: int | None = None,
+    max_position_embeddings: int = 2048,
+    initializer_range: float = 0.02,
+) -> Path:
+    """Write a randomly initialised (seeded) Qwen2-style model + char tokenizer to ``out_dir``.
+
+    ``hidden_size / heads`` is the head dim; keep it 64 or 32 (what vLLM's CPU attention
+    supports). ``intermediate_size`` defaults to ``2 * hidden_size``. The same arguments give
+    byte-identical weights. Returns ``out_dir`` as a ``Path``.
+
+    Raises ``ValueError`` for inconsistent sizes, ``ImportError`` naming the package to
+    install when transformers/tokenizers/safetensors are missing.
+    """
+    if hidden_size % heads:
+        raise ValueError(f"hidden_size ({hidden_size}) must be a multiple of heads ({heads})")
+    if heads % kv_heads:
+        raise ValueError(f"heads ({heads}) must be a multiple of kv_heads ({kv_heads})")
+    if min(hidden_size, layers, heads, kv_heads, max_position_embeddings) < 1:
+        raise ValueError("model sizes must be >= 1")
+    try:
+        import torch
+        from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ImportError(
+            f"building the tiny model needs transformers and tokenizers ({e}); "
+            "pip install transformers tokenizers safetensors"
+        ) from e
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    vocab_size = _round_up(len(char_vocab()), 64)
+    pad_id, bos_id, eos_id = 0, 1, 2
+    config = Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size or 2 * hidden_size,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=max_position_embeddings,
+        initializer_range=initializer_range,
+        tie_word_embeddings=True,
+        bos_token_id=bos_id,
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
+        architectures=["Qwen2ForCausalLM"],
+    )
+    config.dtype = torch.float32
+
+    # Seed around construction so the init is a pure function of the arguments.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config).to(torch.float32)
+    model.generation_config.update(
+        bos_token_id=bos_id, eos_token_id=eos_id, pad_token_id=pad_id, do_sample=True
+    )
+    model.save_pretrained(out, safe_serialization=True)
+    # Older readers (and vLLM's config parsing) look for ``torch_dtype``; newer ones ``dtype``.
+    cfg_path = out / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg.setdefault("torch_dtype", "float32")
+    cfg.setdefault("rope_theta", cfg.get("rope_parameters", {}).get("rope_theta", 10000.0))
+    cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=_build_tokenizer(vocab_size),
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        # Qwen2Tokenizer defaults unk to a new "<|endoftext|>" (id 128, outside the model's
+        # vocab); naming an existing token keeps len(tokenizer) == vocab_size.
+        unk_token=PAD,
+        model_max_length=max_position_embeddings,
+        clean_up_tokenization_spaces=False,
+    )
+    fast.save_pretrained(out)
+    return out

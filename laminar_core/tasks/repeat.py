@@ -1,0 +1,108 @@
+"""``repeat``: the procedural task that ships with Laminar (the quickstart's task).
+
+Prompt ``"c*13="``, target response ``"ccccccccccccc"`` then end-of-sequence. The repeat count
+is drawn from a clipped lognormal, so target response lengths are long-tailed (p99/p50 ~ 8 by
+default): a few prompts ask for many more tokens than most, which is the shape of real
+reasoning workloads and what trajectory-level asynchrony is for.
+
+Why this task: a randomly initialised character-level model samples the prompt's letter now
+and then, so the shaped reward (:func:`repeat_reward`) has signal from the first step and
+rises within a few dozen GRPO steps on a laptop CPU; getting the count right (stopping at the
+right time) takes longer, so the curve keeps rising instead of saturating at once.
+
+Rows are a pure function of ``(seed, index)``: the same options give the same dataset.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import string
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class RepeatOptions:
+    """``data.task_options`` of the ``repeat`` task.
+
+    ``median_count`` / ``p99_over_p50`` shape the lognormal of the repeat count, clipped to
+    ``[min_count, max_count]``; ``letters`` are the characters to repeat.
+    """
+
+    seed: int = 0
+    size: int = 10_000
+    letters: str = "abc"
+    min_count: int = 1
+    max_count: int = 48
+    median_count: float = 6.0
+    p99_over_p50: float = 8.0
+
+    def __post_init__(self) -> None:
+        if self.size < 1:
+            raise ValueError(f"size must be >= 1 (got {self.size})")
+        if not self.letters or any(c not in string.ascii_letters for c in self.letters):
+            raise ValueError(f"letters must be ASCII letters (got {self.letters!r})")
+        if not 1 <= self.min_count <= self.max_count:
+            raise ValueError(
+                f"need 1 <= min_count <= max_count (got {self.min_count}, {self.max_count})"
+            )
+        if self.median_count <= 0 or self.p99_over_p50 < 1:
+            raise ValueError(
+                f"need median_count > 0 and p99_over_p50 >= 1 "
+                f"(got {self.median_count}, {self.p99_over_p50})"
+            )
+
+
+class RepeatTask(Sequence[dict[str, Any]]):
+    """A deterministic, indexable dataset of ``repeat`` rows.
+
+    Each row: ``{"prompt": "c*13=", "answer": "ccccccccccccc", "letter": "c", "count": 13,
+    "task": "repeat"}``.
+    """
+
+    name = "repeat"
+
+    def __init__(self, **options: Any) -> None:
+        self.options = RepeatOptions(**options)
+        # lognormal sigma such that p99 / p50 = exp(z_0.99 * sigma)
+        self._sigma = math.log(self.options.p99_over_p50) / 2.3263478740408408
+
+    def __len__(self) -> int:
+        return self.options.size
+
+    def __getitem__(self, i: int) -> dict[str, Any]:  # type: ignore[override]
+        o = self.options
+        if not -o.size <= i < o.size:
+            raise IndexError(i)
+        i %= o.size
+        rng = random.Random(o.seed * 1_000_003 + i)
+        letter = rng.choice(o.letters)
+        raw = o.median_count * math.exp(rng.gauss(0.0, 1.0) * self._sigma)
+        count = min(o.max_count, max(o.min_count, round(raw)))
+        return {
+            "prompt": f"{letter}*{count}=",
+            "answer": letter * count,
+            "letter": letter,
+            "count": count,
+            "task": self.name,
+        }
+
+    @staticmethod
+    def reward(response: str, row: dict[str, Any]) -> float:
+        return repeat_reward(response, row)
+
+
+def repeat_reward(response: str, row: dict[str, Any]) -> float:
+    """Shaped reward in ``[0, 1]``: correct characters over the longer of response and target.
+
+    ``matches / max(len(target), len(response))`` where ``matches`` counts positions at which
+    response and target agree. 1.0 exactly when the response is the target; too long a
+    response is penalised as much as too short a one; partial credit exists from the start.
+    """
+    target = str(row["answer"])
+    if not target and not response:
+        return 1.0
+    matches = sum(a == b for a, b in zip(response, target, strict=False))
+    return matches / max(len(target), len(response))
