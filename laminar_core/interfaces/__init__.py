@@ -4,7 +4,7 @@ from laminar_core.interfaces.build import BuildContext, build
 from laminar_core.interfaces.repack import RepackPolicy
 from laminar_core.interfaces.rollout import ReplicaFailure, RolloutEngine
 from laminar_core.interfaces.trainer import TrainerContext, TrainerEngine
-from laminar_core.interfaces.transport import WeightTransport
+from laminar_core.interfaces.transport import TransportError, WeightTransport
 
 __all__ = [
     "BuildContext",
@@ -13,6 +13,7 @@ __all__ = [
     "RolloutEngine",
     "TrainerContext",
     "TrainerEngine",
+    "TransportError",
     "WeightTransport",
     "build",
 ]

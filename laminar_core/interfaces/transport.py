@@ -8,13 +8,24 @@ from typing import Any
 from laminar_core.types import Bucket
 
 
+class TransportError(ConnectionError):
+    """A send or receive that failed on the wire (peer gone, timeout); the relay tier treats
+    the peer as suspect and rebuilds the chain if its relay died."""
+
+
 class WeightTransport(abc.ABC):
     """Moves one bucket of bytes from one endpoint to another.
 
     Lifecycle: ``await open(role, rank, peers)`` → ``endpoint()`` (the address others use to
-    reach this one) → any number of ``await send(bucket, peer)`` / ``await recv(peer)``; sends
-    and receives to different peers may be overlapped (pipelining is core's job) → ``await
-    close()``. A transport knows nothing of versions, chains or models: the relay tier does.
+    reach this one) → ``await connect(peers)`` with every member's endpoint (again whenever
+    the chain is rebuilt: peers no longer listed are forgotten) → any number of ``await
+    send(bucket, peer)`` / ``await recv(peer)``; sends and receives to different peers may be
+    overlapped (pipelining is core's job), while calls to one peer come one at a time in each
+    direction → ``await close()``. Buckets from one sender arrive in the order sent. A
+    transport knows nothing of versions, chains or models: the relay tier does.
+
+    Errors on the wire raise ``TransportError`` (or any ``OSError``/``RuntimeError``);
+    cancelling a pending ``recv`` must leave the transport usable for other peers.
     """
 
     @abc.abstractmethod
@@ -22,6 +33,19 @@ class WeightTransport(abc.ABC):
 
     @abc.abstractmethod
     def endpoint(self) -> Any: ...
+
+    async def connect(self, peers: dict[int, Any]) -> None:
+        """Learn the endpoints of the current members (``rank -> endpoint()``).
+
+        The default keeps them in ``self.peers``; transports that need no addresses (the
+        in-process and simulated ones) can ignore it.
+        """
+        self.peers = dict(peers)
+
+    def link_model(self) -> tuple[float, float] | None:
+        """``(t_byte, t_start)`` of one link if the transport knows it, else ``None`` (the
+        relay tier then measures it, or uses the configured values)."""
+        return None
 
     @abc.abstractmethod
     async def send(self, bucket: Bucket, peer: int) -> None: ...

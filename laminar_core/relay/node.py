@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from laminar_core.relay.packing import WeightIntegrityError, verify_bucket
@@ -29,11 +29,16 @@ class NodeRelay:
     ``commit`` makes a version visible, so a relay never serves a half-received version.
     Versions are monotonic: staging a version that is not newer than the held one is
     rejected, and any failed check leaves the last good version in place.
+
+    The *layout* (names, shapes, dtypes in order) is what the rollout engines expect: set it
+    with ``expect_layout`` (from the engine), or it is pinned by the first committed version.
+    A manifest with another layout is rejected at commit.
     """
 
     def __init__(self, relay_id: int, node: int) -> None:
         self.relay_id = relay_id
         self.node = node
+        self.layout: list[tuple[str, tuple[int, ...], str]] | None = None
         self.current: VersionData | None = None
         self._staging: dict[int, list[Bucket | None]] = {}
         self._changed = asyncio.Event()
@@ -82,11 +87,41 @@ class NodeRelay:
             raise WeightIntegrityError(
                 f"relay {self.relay_id}: version {manifest.version} older than held {self.version}"
             )
+        self.check_layout(manifest)
+        if self.layout is None:
+            self.layout = [(s.name, tuple(s.shape), s.dtype) for s in manifest.tensors]
         self.current = VersionData(manifest, stage)  # type: ignore[arg-type]
         self._changed.set()
         self._changed = asyncio.Event()
         for listener in self.listeners:
             listener(manifest.version)
+
+    def expect_layout(self, specs: Iterable[tuple[str, tuple[int, ...], str]]) -> None:
+        """Names, shapes and dtypes (in export order) every committed version must have."""
+        self.layout = [(n, tuple(shape), str(dt).removeprefix("torch.")) for n, shape, dt in specs]
+
+    def check_layout(self, manifest: WeightManifest) -> None:
+        if self.layout is None:
+            return
+        got = [(s.name, tuple(s.shape), s.dtype) for s in manifest.tensors]
+        if got == self.layout:
+            return
+        want_names, got_names = [n for n, _, _ in self.layout], [n for n, _, _ in got]
+        if want_names != got_names:
+            missing = sorted(set(want_names) - set(got_names))[:3]
+            extra = sorted(set(got_names) - set(want_names))[:3]
+            what = f"names differ (missing {missing}, unexpected {extra})"
+            if not missing and not extra:
+                what = "tensor order differs"
+        else:
+            name, want, have = next(
+                (w[0], w[1:], g[1:]) for w, g in zip(self.layout, got) if w != g
+            )
+            what = f"{name!r} is {have[0]} {have[1]}, the engine expects {want[0]} {want[1]}"
+        raise WeightIntegrityError(
+            f"relay {self.relay_id}: version {manifest.version} manifest does not match the "
+            f"engine's weights: {what}; export the rollout's names, shapes and dtypes"
+        )
 
     def abandon(self, version: int) -> None:
         self._staging.pop(version, None)

@@ -5,6 +5,12 @@ with the number of relays). The master then forwards it down a chain bucket by b
 relay ``i`` forwards bucket ``j`` while it receives bucket ``j + 1``. Each relay commits
 the version only once every bucket arrived and passed its checksum. Broadcasts run one after
 the other in version order; a newer publish waits for the previous broadcast.
+
+Faults: before each publish the tier drops dead relays from the chain and reconnects the
+survivors (the first live relay is the master: if the old one died, a new master is elected
+and the trainer pushes there). A relay that dies during a broadcast makes the tier call the
+version off on every live relay (so nobody waits on a dead peer), rebuild the chain, and
+repair: relays that missed the version get it from one that holds it.
 """
 
 from __future__ import annotations
@@ -14,19 +20,57 @@ import logging
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
 from laminar_core.interfaces import WeightTransport
+from laminar_core.relay.host import ABORT, PROBE, RelayHost
 from laminar_core.relay.latency import optimal_chunks
 from laminar_core.relay.node import NodeRelay
 from laminar_core.relay.packing import BucketPacker, WeightIntegrityError
-from laminar_core.types import Bucket
+from laminar_core.types import Bucket, WeightManifest
 
 log = logging.getLogger(__name__)
 
-TRAINER_RANK = 0  # relays are ranks 1..p in chain order; relay rank 1 is the master
-ABORT = -1  # bucket index of the marker that abandons a version down the chain
+TRAINER_RANK = 0  # relays are ranks 1..p in chain order; the first live relay is the master
+
+__all__ = [
+    "ABORT",
+    "TRAINER_RANK",
+    "HostHandle",
+    "PublishResult",
+    "RelayTier",
+    "RelayUnavailable",
+]
+
+Export = Iterable[tuple[str, torch.Tensor]]
+
+
+class RelayUnavailable(RuntimeError):
+    """No live relay can take the version (all dead, or the master died mid-push and the
+    export cannot be replayed); publish again once the chain is back."""
+
+
+class _MasterLost(RuntimeError):
+    pass
+
+
+class HostHandle(Protocol):
+    """What the tier drives: a ``RelayHost`` in this process or a proxy to one elsewhere
+    (``RelayProcess``, a Ray actor). Every method but ``is_alive`` is a coroutine."""
+
+    def is_alive(self) -> bool: ...
+    async def open(self) -> Any: ...
+    async def connect(self, peers: dict[int, Any]) -> None: ...
+    async def receive(self, version: int, count: int, pred: int, nxt: int | None) -> int: ...
+    async def offer_manifest(self, manifest: WeightManifest) -> None: ...
+    async def drain(self, version: int) -> None: ...
+    async def cancel(self, version: int) -> None: ...
+    async def serve(self, version: int, nxt: int) -> None: ...
+    async def probe(self, pred: int, count: int) -> None: ...
+    async def status(self) -> int: ...
+    async def close(self) -> None: ...
 
 
 @dataclass
@@ -35,63 +79,188 @@ class PublishResult:
     bytes: int
     buckets: int
     stall_seconds: float  # trainer-side: until the master holds every bucket
+    master_rank: int = 1  # where the trainer pushed
 
 
 class RelayTier:
-    """Relays ``relays[0]`` (master) .. ``relays[-1]`` chained in that order.
+    """Relays chained in rank order; the first live one is the master.
 
-    ``transport_factory(rank)`` returns an unopened ``WeightTransport`` per endpoint.
-    ``bucket_bytes`` fixes the chunk size; ``chunks`` (> 0) fixes the chunk count instead;
-    with neither, the count comes from the latency model using the transport's
-    ``link_model()`` (``(t_byte, t_start)``) when it has one.
+    Either ``relays`` (``NodeRelay`` objects in this process) with ``transport_factory(rank)``
+    returning an unopened ``WeightTransport`` per endpoint, or ``hosts`` (handles to relays
+    hosted elsewhere, ranks 1..p in order) with the trainer's own ``trainer_transport``.
+
+    Chunking: ``chunks`` (> 0) fixes the chunk count; else ``link=(t_byte, t_start)`` (from
+    config), the transport's ``link_model()``, or a measurement (``calibrate=True``: probes
+    the trainer → master link at ``open``) feed the latency model's ``k*``; with none of
+    them ``bucket_bytes`` fixes the chunk size.
     """
 
     def __init__(
         self,
-        relays: list[NodeRelay],
-        transport_factory: Callable[[int], WeightTransport],
+        relays: list[NodeRelay] | None = None,
+        transport_factory: Callable[[int], WeightTransport] | None = None,
         bucket_bytes: int = 64 << 20,
         chunks: int = 0,
+        *,
+        hosts: list[HostHandle] | None = None,
+        trainer_transport: WeightTransport | None = None,
+        link: tuple[float, float] | None = None,
+        calibrate: bool = False,
+        max_chunks: int = 4096,
+        timeout_s: float = 600.0,
     ) -> None:
-        if not relays:
+        if hosts is None and not relays:
             raise ValueError("the relay tier needs at least one relay")
-        self.relays = relays
+        if hosts is not None and trainer_transport is None:
+            raise ValueError("a tier over relay hosts needs the trainer's own transport")
+        if hosts is None and transport_factory is None:
+            raise ValueError("a tier over in-process relays needs a transport_factory")
+        self.relays = list(relays or [])
         self._factory = transport_factory
+        self._given_hosts = hosts
+        self._trainer = trainer_transport
         self.bucket_bytes = bucket_bytes
         self.chunks = chunks
-        self._transports: dict[int, WeightTransport] = {}
+        self.link = link
+        self.calibrate_on_open = calibrate
+        self.max_chunks = max_chunks
+        self.timeout_s = timeout_s
+        self._hosts: list[tuple[int, HostHandle]] = []
+        self._chain: list[tuple[int, HostHandle]] = []
+        self._endpoints: dict[int, Any] = {}
         self._previous: asyncio.Task | None = None
         self._model_bytes: int | None = None  # size of the last version published
+        self._last_version: int | None = None
         self.history: list[PublishResult] = []
+        self.rebuilds = 0  # times the chain was rebuilt after a relay died
+        self.on_master_change: list[Callable[[int, Any], None]] = []  # (rank, endpoint)
+
+    # --- membership ---------------------------------------------------------------------------
+
+    @property
+    def master_rank(self) -> int:
+        """Rank the trainer pushes to (the first live relay)."""
+        return self._chain[0][0]
+
+    @property
+    def chain_ranks(self) -> list[int]:
+        return [r for r, _ in self._chain]
+
+    @property
+    def _transports(self) -> dict[int, WeightTransport]:
+        """Endpoints of this process by rank (trainer and in-process relays)."""
+        out: dict[int, WeightTransport] = {TRAINER_RANK: self._trainer}  # type: ignore[dict-item]
+        for r, h in self._hosts:
+            if isinstance(h, RelayHost):
+                out[r] = h.transport
+        return out
 
     async def open(self) -> None:
-        ranks = [TRAINER_RANK, *range(1, len(self.relays) + 1)]
-        for r in ranks:
-            t = self._factory(r)
-            await t.open("trainer" if r == TRAINER_RANK else "relay", r, {})
-            self._transports[r] = t
+        if self._given_hosts is None:
+            assert self._factory is not None
+            self._trainer = self._factory(TRAINER_RANK)
+            self._hosts = [
+                (rank, RelayHost(r, self._factory(rank), rank))
+                for rank, r in enumerate(self.relays, start=1)
+            ]
+        else:
+            self._hosts = list(enumerate(self._given_hosts, start=1))
+        assert self._trainer is not None
+        await self._trainer.open("trainer", TRAINER_RANK, {})
+        self._endpoints[TRAINER_RANK] = self._trainer.endpoint()
+        eps = await asyncio.gather(*(h.open() for _, h in self._hosts))
+        self._endpoints.update({r: ep for (r, _), ep in zip(self._hosts, eps)})
+        await self._refresh(force=True)
+        if self.calibrate_on_open and self.chunks <= 0 and self.link is None:
+            await self.calibrate()
 
     async def close(self) -> None:
-        if self._previous is not None:
-            await asyncio.gather(self._previous, return_exceptions=True)
-        for t in self._transports.values():
-            await t.close()
+        await self._settle()
+        for _, h in self._hosts:
+            try:
+                await h.close()
+            except Exception as e:  # a dead relay cannot close cleanly
+                log.debug("closing relay host: %s", e)
+        if self._trainer is not None:
+            await self._trainer.close()
+
+    async def _refresh(self, force: bool = False) -> None:
+        """Cut dead relays out of the chain, elect the master, and reconnect the survivors."""
+        alive = [(r, h) for r, h in self._hosts if h.is_alive()]
+        if not alive:
+            raise RelayUnavailable("every relay is dead: restart relays before publishing")
+        if not force and [r for r, _ in alive] == self.chain_ranks:
+            return
+        old = self._chain[0][0] if self._chain else None
+        gone = sorted(set(self.chain_ranks) - {r for r, _ in alive})
+        self._chain = alive
+        peers = {TRAINER_RANK: self._endpoints[TRAINER_RANK]}
+        peers.update({r: self._endpoints[r] for r, _ in alive})
+        assert self._trainer is not None
+        await asyncio.gather(self._trainer.connect(peers), *(h.connect(peers) for _, h in alive))
+        if not force:
+            self.rebuilds += 1
+            log.warning("relay(s) %s cut out; chain is now %s", gone, self.chain_ranks)
+        if old is not None and alive[0][0] != old:
+            log.warning("master relay %s is gone: relay %s is the new master", old, alive[0][0])
+        if old != alive[0][0]:
+            for cb in self.on_master_change:
+                cb(alive[0][0], self._endpoints[alive[0][0]])
+
+    # --- chunking -----------------------------------------------------------------------------
 
     def chunk_bytes(self, model_bytes: int) -> int:
         """Bucket size for a model of ``model_bytes`` (see class docstring)."""
         k = self.chunks
-        link = getattr(self._transports.get(1), "link_model", None)
+        link = self.link
+        if link is None and self._trainer is not None:
+            link = self._trainer.link_model()
         if k <= 0 and link is not None:
-            t_byte, t_start = link()
-            k = optimal_chunks(len(self.relays) + 1, model_bytes, t_byte, t_start)
+            t_byte, t_start = link
+            endpoints = len(self._chain or self._hosts or self.relays) + 1
+            k = optimal_chunks(endpoints, model_bytes, t_byte, t_start, self.max_chunks)
         if k > 0:
             return max(1, math.ceil(model_bytes / k))
         return self.bucket_bytes
 
+    async def calibrate(
+        self, small: int = 4096, large: int = 8 << 20, reps: int = 4
+    ) -> tuple[float, float]:
+        """Measure ``(t_byte, t_start)`` on the trainer → master link and use it for ``k*``."""
+        assert self._trainer is not None
+        loop = asyncio.get_running_loop()
+        rank, master = self._chain[0]
+
+        async def timed(size: int) -> float:
+            b = Bucket(PROBE, 0, size, 0, bytes(size))
+
+            async def push() -> None:
+                for _ in range(reps):
+                    await self._trainer.send(b, rank)  # type: ignore[union-attr]
+
+            t0 = loop.time()
+            await asyncio.gather(master.probe(TRAINER_RANK, reps), push())
+            return (loop.time() - t0) / reps
+
+        await timed(small)  # warm the link up (connection set-up is not t_start)
+        ts, tl = await timed(small), await timed(large)
+        t_start = max(ts, 1e-7)
+        t_byte = max(tl - ts, 1e-12) / (large - small)
+        self.link = (t_byte, t_start)
+        log.info("relay link measured: t_byte=%.3g s/B (%.2f GB/s), t_start=%.3g s",
+                 t_byte, 1e-9 / t_byte, t_start)
+        return self.link
+
+    # --- publishing ---------------------------------------------------------------------------
+
+    async def _settle(self) -> None:
+        if self._previous is not None:
+            await asyncio.gather(self._previous, return_exceptions=True)
+
     async def publish(
         self,
         version: int,
-        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        named_tensors: Export | Callable[[], Export],
         model_bytes: int | None = None,
     ) -> PublishResult:
         """Push ``version`` to the master; return once the master holds it (the trainer's
@@ -100,12 +269,42 @@ class RelayTier:
         The export is streamed bucket by bucket, so the trainer holds one bucket at a time.
         The chunk size needs the model's size up front: ``model_bytes`` if given, else the
         previous version's (weights keep their size); only the very first publish walks the
-        export once to measure it.
+        export once to measure it. ``named_tensors`` may be a callable returning the export:
+        then a master that dies mid-push is replaced and the export replayed to the new one.
         """
         loop = asyncio.get_running_loop()
         t0 = loop.time()
-        if self._previous is not None:
-            await asyncio.gather(self._previous, return_exceptions=True)
+        await self._settle()
+        if self._last_version is not None and version <= self._last_version:
+            raise WeightIntegrityError(
+                f"version {version} is not newer than the last published {self._last_version}; "
+                "versions must increase"
+            )
+        replayable = callable(named_tensors)
+        export = named_tensors() if replayable else named_tensors  # type: ignore[operator]
+        for attempt in range(2):
+            await self._refresh()
+            try:
+                result = await self._publish_once(version, export, model_bytes, t0)  # type: ignore[arg-type]
+            except _MasterLost as e:
+                await self._refresh()
+                if not replayable or attempt:
+                    raise RelayUnavailable(
+                        f"master relay died while version {version} was pushed; the new master "
+                        f"is relay rank {self.master_rank}: publish again"
+                    ) from e
+                log.warning("master died mid-push; replaying version %s to rank %s",
+                            version, self.master_rank)
+                export = named_tensors()  # type: ignore[operator]
+                continue
+            self._last_version = version
+            return result
+        raise AssertionError("unreachable")
+
+    async def _publish_once(
+        self, version: int, named_tensors: Export, model_bytes: int | None, t0: float
+    ) -> PublishResult:
+        loop = asyncio.get_running_loop()
         if model_bytes is None:
             model_bytes = self._model_bytes
         if model_bytes is None:
@@ -114,10 +313,18 @@ class RelayTier:
         chunk = self.chunk_bytes(model_bytes)
         count = math.ceil(model_bytes / chunk)
         packer = BucketPacker(named_tensors, version, chunk)
-        chain = [(rank, r) for rank, r in enumerate(self.relays, start=1) if r.alive]
-        for _, r in chain:
-            r.begin(version, count)
+        chain = list(self._chain)
+        master_rank, master = chain[0]
         master_done = loop.create_future()
+
+        async def host_job(i: int) -> None:
+            rank, host = chain[i]
+            pred = TRAINER_RANK if i == 0 else chain[i - 1][0]
+            nxt = chain[i + 1][0] if i + 1 < len(chain) else None
+            await host.receive(version, count, pred, nxt)
+            if i == 0 and not master_done.done():
+                master_done.set_result(loop.time())
+            await host.drain(version)
 
         def check(index: int, nbytes: int) -> None:
             want = min(chunk, model_bytes - index * chunk)
@@ -128,100 +335,144 @@ class RelayTier:
                     "their names, shapes and dtypes between versions"
                 )
 
+        async def offer_manifest() -> None:
+            m = packer.manifest
+            await asyncio.gather(*(h.offer_manifest(m) for _, h in chain), return_exceptions=True)
+
+        offers: list[asyncio.Future] = []
+
         async def trainer_send() -> None:
             # Each bucket is checked before it leaves, and the last one is held back until
             # the export is exhausted, so a wrong-sized export never completes a version.
-            tr, dst, held = self._transports[TRAINER_RANK], chain[0][0], None
+            tr, held = self._trainer, None
             for b in packer.buckets():
                 check(b.index, b.nbytes)
                 if held is not None:
-                    await tr.send(held, dst)
+                    await tr.send(held, master_rank)  # type: ignore[union-attr]
                 held = b
             if len(packer.sizes) != count:
                 check(len(packer.sizes), 0)
+            offers.append(asyncio.ensure_future(offer_manifest()))
             if held is not None:
-                await tr.send(held, dst)
+                await tr.send(held, master_rank)  # type: ignore[union-attr]
 
-        async def abort_chain() -> None:
-            # Travels the chain like data, so every link is left empty for the next publish.
-            await self._transports[TRAINER_RANK].send(Bucket(version, ABORT, 0), chain[0][0])
-            await asyncio.gather(*pipes, return_exceptions=True)
+        jobs = [asyncio.ensure_future(host_job(i)) for i in range(len(chain))]
 
-        async def relay_pipe(i: int) -> None:
-            """Receive every bucket from the predecessor, forwarding each as it lands.
+        async def call_off() -> None:
+            await asyncio.gather(
+                *(h.cancel(version) for _, h in chain if h.is_alive()), return_exceptions=True
+            )
+            for j in jobs:
+                j.cancel()
+            await asyncio.gather(*jobs, *offers, return_exceptions=True)
 
-            A bucket that fails its checks (or an abort marker from upstream) turns the
-            rest of this version into a drain: the relay keeps its last good version,
-            forwards one abort marker, and still reads what upstream sends so every link
-            is empty for the next publish.
-            """
-            rank, relay = chain[i]
-            tr = self._transports[rank]
-            pred = TRAINER_RANK if i == 0 else chain[i - 1][0]
-            nxt = chain[i + 1][0] if i + 1 < len(chain) else None
-            fwd: asyncio.Queue[Bucket | None] = asyncio.Queue()
-
-            async def forward() -> None:
-                while (b := await fwd.get()) is not None:
-                    await tr.send(b, nxt)  # type: ignore[arg-type]
-
-            fwd_task = asyncio.ensure_future(forward()) if nxt is not None else None
-            failure: BaseException | None = None
-            try:
-                for _ in range(count):
-                    b = await tr.recv(pred)
-                    if b.index == ABORT:  # upstream gave up: it sends nothing after this
-                        if failure is None:
-                            failure = WeightIntegrityError(f"version {version} abandoned upstream")
-                            if fwd_task is not None:
-                                fwd.put_nowait(b)
-                        break
-                    if failure is not None:
-                        continue  # draining what upstream still sends
-                    try:
-                        relay.put(b)
-                    except WeightIntegrityError as e:
-                        failure, b = e, Bucket(version, ABORT, 0)
-                    if fwd_task is not None:
-                        fwd.put_nowait(b)
-            finally:
-                if fwd_task is not None:
-                    fwd.put_nowait(None)
-            try:
-                if failure is not None:
-                    relay.abandon(version)
-                    raise failure
-                if i == 0 and not master_done.done():
-                    master_done.set_result(loop.time())
-                relay.commit(packer.manifest)  # serve it as soon as it is complete here
-            finally:
-                if fwd_task is not None:
-                    await fwd_task
-
-        pipes = [asyncio.ensure_future(relay_pipe(i)) for i in range(len(chain))]
         try:
             await trainer_send()
         except WeightIntegrityError:
-            await abort_chain()
+            # The abort marker travels the chain like data, so every link is left empty.
+            await self._trainer.send(Bucket(version, ABORT, 0), master_rank)  # type: ignore[union-attr]
+            await asyncio.wait_for(
+                asyncio.gather(*jobs, return_exceptions=True), self.timeout_s
+            )
             raise
-        await asyncio.wait([master_done, pipes[0]], return_when=asyncio.FIRST_COMPLETED)
-        if pipes[0].done() and pipes[0].exception() is not None:
-            raise pipes[0].exception()  # type: ignore[misc]
+        except Exception as e:  # the wire to the master broke
+            await asyncio.sleep(0)
+            if not master.is_alive():
+                await call_off()
+                raise _MasterLost(str(e)) from e
+            await call_off()
+            raise
+        await asyncio.wait([master_done, jobs[0]], return_when=asyncio.FIRST_COMPLETED)
+        if not master_done.done():
+            err = jobs[0].exception()
+            if not master.is_alive():
+                await call_off()
+                raise _MasterLost(str(err)) from err
+            # the master rejected the version: the rest of the chain drains and keeps its own
+            self._previous = asyncio.ensure_future(self._finish(version, chain, jobs, count, None))
+            raise err  # type: ignore[misc]
         self._model_bytes = model_bytes
-        result = PublishResult(version, model_bytes, count, loop.time() - t0)
+        result = PublishResult(version, model_bytes, count, loop.time() - t0, master_rank)
         self.history.append(result)
-
-        async def finish() -> None:
-            outcomes = await asyncio.gather(*pipes, return_exceptions=True)
-            for (_, relay), out in zip(chain, outcomes):
-                if isinstance(out, BaseException):
-                    relay.abandon(version)
-                    log.error(
-                        "relay %s failed to take version %s: %s", relay.relay_id, version, out
-                    )
-
-        self._previous = asyncio.ensure_future(finish())
+        self._previous = asyncio.ensure_future(
+            self._finish(version, chain, jobs, count, packer.manifest)
+        )
         return result
+
+    async def _finish(
+        self,
+        version: int,
+        chain: list[tuple[int, HostHandle]],
+        jobs: list[asyncio.Task],
+        count: int,
+        manifest: WeightManifest | None,
+    ) -> None:
+        """Wait for the broadcast; if a relay died, call it off, rebuild and repair."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout_s
+        pending = set(jobs)
+        while pending:
+            done, pending = await asyncio.wait(
+                pending, timeout=max(0.0, deadline - loop.time()),
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+            if not done:
+                log.error("version %s: broadcast timed out after %ss", version, self.timeout_s)
+                break
+            if any(not h.is_alive() for _, h in chain):
+                break
+        if pending:
+            await asyncio.gather(
+                *(h.cancel(version) for _, h in chain if h.is_alive()), return_exceptions=True
+            )
+            for j in pending:
+                j.cancel()
+        outcomes = await asyncio.gather(*jobs, return_exceptions=True)
+        for (rank, _), out in zip(chain, outcomes):
+            if isinstance(out, BaseException):
+                log.error("relay rank %s failed to take version %s: %r", rank, version, out)
+        if manifest is not None and any(not h.is_alive() for _, h in chain):
+            try:
+                await self._refresh()
+                await self._repair(version, count, manifest)
+            except Exception as e:
+                log.error("version %s: repair after a relay death failed: %r", version, e)
+
+    async def _repair(self, version: int, count: int, manifest: WeightManifest) -> None:
+        """Relays of the rebuilt chain that missed ``version`` get it from one holding it."""
+        chain = list(self._chain)
+        held = await asyncio.gather(*(h.status() for _, h in chain), return_exceptions=True)
+        have = [chain[i] for i, v in enumerate(held) if v == version]
+        need = [chain[i] for i, v in enumerate(held) if isinstance(v, int) and v < version]
+        if not have or not need:
+            if need:
+                log.error("version %s: no live relay holds it; %s keep older versions",
+                          version, [r for r, _ in need])
+            return
+        sub = [have[0], *need]
+        log.warning("repairing version %s: rank %s -> %s", version, sub[0][0],
+                    [r for r, _ in need])
+
+        async def target(i: int) -> None:
+            rank, host = sub[i]
+            await host.offer_manifest(manifest)
+            nxt = sub[i + 1][0] if i + 1 < len(sub) else None
+            await host.receive(version, count, sub[i - 1][0], nxt)
+            await host.drain(version)
+
+        tasks = [asyncio.ensure_future(sub[0][1].serve(version, sub[1][0]))]
+        tasks += [asyncio.ensure_future(target(i)) for i in range(1, len(sub))]
+        done, pending = await asyncio.wait(tasks, timeout=self.timeout_s)
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(
+            *(h.cancel(version) for _, h in need if h.is_alive() and pending),
+            return_exceptions=True,
+        )
+        for t, (rank, _) in zip(tasks, sub):
+            if t.done() and not t.cancelled() and t.exception() is not None:
+                log.error("repair of version %s at rank %s failed: %r", version, rank,
+                          t.exception())
 
     def relay_for_node(self, node: int) -> NodeRelay:
         for r in self.relays:

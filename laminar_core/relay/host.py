@@ -1,0 +1,259 @@
+"""A relay host: one node relay, its transport endpoint, and the pipelined receive loop.
+
+The host lives where its relay lives: in the driver (in-process tier, simulator) or in a relay
+process (``RelayProcess``), driven over RPC by the tier. Per version the tier calls
+``receive(version, count, pred, nxt)`` on every host of the chain: the host reads ``count``
+buckets from ``pred`` and hands each to a forwarding task towards ``nxt`` as soon as it has
+passed its checksum, so relay ``i`` forwards bucket ``j`` while it receives bucket ``j + 1``.
+``receive`` returns once the version is committed here (the master's return ends the
+trainer's stall); ``drain`` returns once forwarding finished.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from laminar_core.interfaces import WeightTransport
+from laminar_core.relay.node import NodeRelay
+from laminar_core.relay.packing import WeightIntegrityError
+from laminar_core.types import Bucket, WeightManifest
+
+log = logging.getLogger(__name__)
+
+ABORT = -1  # bucket index of the marker that abandons a version down the chain
+PROBE = -3  # version number of calibration buckets (never staged)
+
+
+def _retrieve(fut: asyncio.Future) -> None:
+    if not fut.cancelled():
+        fut.exception()
+
+
+class RelayCancelled(RuntimeError):
+    """The tier called off this version here (an upstream relay died); nothing was committed."""
+
+
+@dataclass
+class _Job:
+    version: int
+    manifest: asyncio.Future
+    committed: asyncio.Future
+    forwarded: asyncio.Future
+    tasks: list[asyncio.Task] = field(default_factory=list)
+
+
+class RelayHost:
+    """Drives one ``NodeRelay`` over one ``WeightTransport`` endpoint (rank ``rank``).
+
+    ``die_at=(version, index)`` is fault injection for chaos tests: the hosting process
+    exits the moment that bucket arrives (``os._exit``), as a crashed relay would.
+    """
+
+    def __init__(
+        self,
+        relay: NodeRelay,
+        transport: WeightTransport,
+        rank: int,
+        manifest_timeout_s: float = 600.0,
+        die_at: tuple[int, int] | None = None,
+        on_commit: Callable[[NodeRelay], Any] | None = None,
+    ) -> None:
+        self.relay = relay
+        self.transport = transport
+        self.rank = rank
+        self.manifest_timeout_s = manifest_timeout_s
+        self.die_at = tuple(die_at) if die_at else None
+        self.on_commit = on_commit
+        self._jobs: dict[int, _Job] = {}
+        self._serving: dict[int, asyncio.Task] = {}
+
+    # --- lifecycle ---------------------------------------------------------------------------
+
+    async def open(self) -> Any:
+        await self.transport.open("relay", self.rank, {})
+        return self.transport.endpoint()
+
+    async def connect(self, peers: dict[int, Any]) -> None:
+        await self.transport.connect(peers)
+
+    def is_alive(self) -> bool:
+        return self.relay.alive
+
+    async def status(self) -> int:
+        return self.relay.version
+
+    async def close(self) -> None:
+        for v in list(self._jobs):
+            await self.cancel(v)
+        await self.transport.close()
+
+    # --- one version ---------------------------------------------------------------------------
+
+    def _job(self, version: int) -> _Job:
+        job = self._jobs.get(version)
+        if job is None or job.committed.done():  # a new attempt at a version that failed here
+            loop = asyncio.get_running_loop()
+            job = _Job(version, loop.create_future(), loop.create_future(), loop.create_future())
+            for fut in (job.manifest, job.committed, job.forwarded):
+                fut.add_done_callback(_retrieve)  # outcomes nobody awaits are not "lost"
+            self._jobs[version] = job
+        return job
+
+    async def offer_manifest(self, manifest: WeightManifest) -> None:
+        """The manifest of a version being received (complete once the export is walked)."""
+        job = self._job(manifest.version)
+        if not job.manifest.done():
+            job.manifest.set_result(manifest)
+
+    async def receive(self, version: int, count: int, pred: int, nxt: int | None) -> int:
+        """Receive ``count`` buckets of ``version`` from ``pred``, forwarding each to ``nxt``.
+
+        Returns the version once committed here; raises ``WeightIntegrityError`` if a bucket
+        or the manifest fails its checks (the relay keeps its last good version),
+        ``RelayCancelled`` if the tier called it off, or the transport's error.
+        """
+        job = self._job(version)
+        job.tasks.append(asyncio.ensure_future(self._run(job, count, pred, nxt)))
+        return await asyncio.shield(job.committed)
+
+    async def drain(self, version: int) -> None:
+        """Return once this host finished forwarding ``version`` (raise what went wrong)."""
+        job = self._jobs.get(version)
+        if job is None:
+            return
+        try:
+            await asyncio.shield(job.forwarded)
+        finally:
+            if job.committed.done() and job.forwarded.done():
+                self._jobs.pop(version, None)
+
+    async def cancel(self, version: int) -> None:
+        """Call off ``version`` here: stop receiving and forwarding it (a peer died)."""
+        job = self._jobs.pop(version, None)
+        if job is not None:
+            for t in job.tasks:
+                t.cancel()
+            await asyncio.gather(*job.tasks, return_exceptions=True)
+            for fut in (job.committed, job.forwarded, job.manifest):
+                if not fut.done():
+                    fut.set_exception(RelayCancelled(f"version {version} cancelled"))
+        task = self._serving.pop(version, None)
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    async def serve(self, version: int, nxt: int) -> None:
+        """Send the held ``version`` to ``nxt`` (repairing a chain after a relay died)."""
+        data = self.relay.read()
+        if data.version != version:
+            raise WeightIntegrityError(
+                f"relay {self.relay.relay_id} holds version {data.version}, not {version}"
+            )
+
+        async def run() -> None:
+            for b in data.buckets:
+                await self.transport.send(b, nxt)
+
+        task = self._serving[version] = asyncio.ensure_future(run())
+        try:
+            await task
+        finally:
+            self._serving.pop(version, None)
+
+    async def probe(self, pred: int, count: int) -> None:
+        """Receive and drop ``count`` calibration buckets from ``pred``."""
+        for _ in range(count):
+            await self.transport.recv(pred)
+
+    # --- the pipeline --------------------------------------------------------------------------
+
+    async def _run(self, job: _Job, count: int, pred: int, nxt: int | None) -> None:
+        relay, tr, version = self.relay, self.transport, job.version
+        fwd: asyncio.Queue[Bucket | None] = asyncio.Queue()
+
+        async def forward() -> None:
+            try:
+                while (b := await fwd.get()) is not None:
+                    await tr.send(b, nxt)  # type: ignore[arg-type]
+            except asyncio.CancelledError:
+                raise
+            except BaseException as e:  # the next relay is gone: keep receiving regardless
+                if not job.forwarded.done():
+                    job.forwarded.set_exception(e)
+                return
+            if not job.forwarded.done():
+                job.forwarded.set_result(None)
+
+        fwd_task = None
+        if nxt is not None:
+            fwd_task = asyncio.ensure_future(forward())
+            job.tasks.append(fwd_task)
+        elif not job.forwarded.done():
+            job.forwarded.set_result(None)
+
+        failure: BaseException | None = None
+        try:
+            relay.begin(version, count)
+        except WeightIntegrityError as e:
+            failure = e  # still drain what upstream sends, so every link stays clean
+            fwd.put_nowait(Bucket(version, ABORT, 0))
+        try:
+            for _ in range(count):
+                try:
+                    b = await tr.recv(pred)
+                except asyncio.CancelledError:
+                    raise
+                except BaseException as e:  # the predecessor is gone: nothing more will come
+                    if failure is None:
+                        failure = e
+                        fwd.put_nowait(Bucket(version, ABORT, 0))
+                    break
+                if self.die_at is not None and (b.version, b.index) == self.die_at:
+                    log.error("relay %s: injected fault, exiting", relay.relay_id)
+                    os._exit(17)
+                if b.index == ABORT:  # upstream gave up: it sends nothing after this
+                    if failure is None:
+                        failure = WeightIntegrityError(f"version {version} abandoned upstream")
+                        fwd.put_nowait(b)
+                    break
+                if failure is not None:
+                    continue  # draining what upstream still sends
+                try:
+                    if b.version != version:
+                        raise WeightIntegrityError(
+                            f"relay {relay.relay_id}: got a bucket of version {b.version} "
+                            f"while receiving {version}"
+                        )
+                    relay.put(b)
+                except WeightIntegrityError as e:
+                    failure, b = e, Bucket(version, ABORT, 0)
+                fwd.put_nowait(b)
+            if failure is None:
+                manifest = await asyncio.wait_for(
+                    asyncio.shield(job.manifest), self.manifest_timeout_s
+                )
+                relay.commit(manifest)  # serve it as soon as it is complete here
+                if self.on_commit is not None:
+                    self.on_commit(relay)
+        except asyncio.CancelledError:
+            relay.abandon(version)
+            raise
+        except BaseException as e:
+            failure = failure or e
+        finally:
+            fwd.put_nowait(None)
+        if failure is not None:
+            relay.abandon(version)
+            if not job.committed.done():
+                job.committed.set_exception(failure)
+        elif not job.committed.done():
+            job.committed.set_result(version)
+        if fwd_task is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await fwd_task

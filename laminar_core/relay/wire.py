@@ -1,0 +1,58 @@
+"""What crosses a wire besides bucket bytes: the fixed bucket header and the manifest.
+
+Transports that move raw bytes (torch.distributed, NIXL) send a ``Bucket`` as a header plus
+its payload; the header layout is shared here so every transport frames buckets alike. The
+manifest travels on the control plane (relay processes get it over their RPC channel) as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+
+from laminar_core.types import Bucket, TensorSpec, WeightManifest
+
+# version, index, nbytes, checksum, has_data (1: real bytes follow; 0: phantom / marker)
+_HEADER = struct.Struct("<qqqqq")
+HEADER_BYTES = _HEADER.size
+
+
+def encode_bucket_header(bucket: Bucket) -> bytes:
+    """The fixed-size header of ``bucket`` (its payload travels separately)."""
+    return _HEADER.pack(
+        bucket.version, bucket.index, bucket.nbytes, bucket.checksum, bucket.data is not None
+    )
+
+
+def decode_bucket_header(raw: bytes | bytearray | memoryview) -> tuple[int, int, int, int, bool]:
+    """``(version, index, nbytes, checksum, has_data)`` from :func:`encode_bucket_header`."""
+    if len(raw) != HEADER_BYTES:
+        raise ValueError(f"bucket header must be {HEADER_BYTES} bytes (got {len(raw)})")
+    version, index, nbytes, crc, has_data = _HEADER.unpack(bytes(raw))
+    if nbytes < 0:
+        raise ValueError(f"bucket header announces {nbytes} bytes")
+    return version, index, nbytes, crc, bool(has_data)
+
+
+def manifest_to_json(manifest: WeightManifest) -> str:
+    return json.dumps(
+        {
+            "version": manifest.version,
+            "tensors": [
+                [s.name, list(s.shape), s.dtype, s.bucket, s.offset, s.nbytes]
+                for s in manifest.tensors
+            ],
+            "bucket_sizes": list(manifest.bucket_sizes),
+            "checksums": list(manifest.checksums),
+        }
+    )
+
+
+def manifest_from_json(text: str | bytes) -> WeightManifest:
+    d = json.loads(text)
+    return WeightManifest(
+        d["version"],
+        [TensorSpec(n, tuple(shape), dt, b, off, nb) for n, shape, dt, b, off, nb in d["tensors"]],
+        list(d["bucket_sizes"]),
+        list(d["checksums"]),
+    )
