@@ -328,8 +328,8 @@ def test_errors_are_single_line() -> None:
 
 
 def test_unknown_data_source_is_a_config_error() -> None:
-    msg = err(["data.source=jsonl"])
-    assert "data.source" in msg and "'jsonl'" in msg and "synthetic" in msg
+    msg = err(["data.source=csv"])
+    assert "data.source" in msg and "'csv'" in msg and "synthetic" in msg and "jsonl" in msg
 
 
 def test_unknown_model_dtype_is_a_config_error() -> None:

@@ -108,7 +108,9 @@ def pm() -> PluginManager:
 
 
 def test_kinds_table_and_public_api() -> None:
-    assert list(KINDS) == ["trainer", "rollout", "transport", "repack", "schedule"]
+    assert list(KINDS) == [
+        *("trainer", "rollout", "transport", "repack", "schedule", "task", "reward")
+    ]
     assert KINDS["rollout"].hook == "laminar_rollout_engines"
     for name in plugins.__all__:
         assert getattr(plugins, name) is not None

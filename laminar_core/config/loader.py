@@ -29,7 +29,8 @@ from laminar_core.loop.schedules import (
 )
 from laminar_core.plugins import PluginManager, UnknownPluginError, default_manager
 
-DATA_SOURCES = ("synthetic",)  # prompt sources core knows; dataset files come with tasks
+# synthetic: lengths only (simulator); jsonl/parquet: data.path; task: a registered generator
+DATA_SOURCES = ("synthetic", "jsonl", "parquet", "task")
 
 
 class ConfigError(ValueError):
@@ -267,6 +268,50 @@ def _positive(cfg: LaminarConfig) -> None:
         )
 
 
+def _validate_data_reward(cfg: LaminarConfig, pm: PluginManager) -> None:
+    """``data.*`` / ``reward.*``: the source's own settings, task and reward names, options.
+
+    Files are not opened here (a cluster reads them where the run starts); names and
+    options are, so a typo fails before anything starts.
+    """
+    d, r = cfg.data, cfg.reward
+    if d.max_prompt_tokens < 1:
+        raise ConfigError(f"data.max_prompt_tokens must be >= 1 (got {d.max_prompt_tokens})")
+    if not d.prompt_key:
+        raise ConfigError("data.prompt_key must name the prompt column (e.g. prompt)")
+    if d.source in ("jsonl", "parquet") and not d.path:
+        raise ConfigError(
+            f"data.source={d.source} needs a file: set data.path=/path/to/data.{d.source}"
+        )
+    if d.source == "task":
+        try:
+            factory = pm.get("task", d.task)
+        except UnknownPluginError as e:
+            raise ConfigError(f"data.task: {e}") from None
+        options_cls = getattr(factory, "Options", None)
+        if options_cls is not None and dataclasses.is_dataclass(options_cls):
+            _check_keys(dict(d.task_options), options_cls, "data.task_options", {})
+            _structured(options_cls, dict(d.task_options), "data.task_options")
+    if not r.timeout_s > 0:
+        raise ConfigError(f"reward.timeout_s must be > 0 (got {r.timeout_s})")
+    if r.workers < 1:
+        raise ConfigError(f"reward.workers must be >= 1 (got {r.workers})")
+    if r.fn and ":" not in r.fn:
+        try:
+            pm.get("reward", r.fn)
+        except UnknownPluginError as e:
+            raise ConfigError(
+                f"reward.fn: {e}; or give a function as 'package.module:function'"
+            ) from None
+    elif r.fn:
+        from laminar_core.tasks.rewards import import_reward  # imports the user's module
+
+        try:
+            import_reward(r.fn)
+        except ValueError as e:
+            raise ConfigError(f"reward.fn: {e}") from None
+
+
 def validate(cfg: LaminarConfig, pm: PluginManager) -> None:
     """Semantic checks across sections (types were checked by OmegaConf)."""
     _positive(cfg)
@@ -275,6 +320,7 @@ def validate(cfg: LaminarConfig, pm: PluginManager) -> None:
             f"data.source: unknown '{cfg.data.source}'; known: {', '.join(DATA_SOURCES)}"
             f"{_close(cfg.data.source, DATA_SOURCES)}"
         )
+    _validate_data_reward(cfg, pm)
     if not isinstance(getattr(torch, cfg.model.dtype, None), torch.dtype):
         raise ConfigError(
             f"model.dtype: '{cfg.model.dtype}' is not a torch dtype; e.g. bfloat16, float16, "

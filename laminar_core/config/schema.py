@@ -18,10 +18,13 @@ class RunConfig:
     seed: int = 0
     steps: int = 10  # trainer steps (weight versions) to run
     out_dir: str = "runs"
+    checkpoint_every: int = 0  # trainer steps between checkpoints; 0: only at the end
+    resume: str = ""  # a run directory (or one of its checkpoints) to continue from
 
 
 @dataclass
 class ModelConfig:
+    path: str = ""  # a local Hugging Face model directory (real engines); see `laminar tiny-model`
     params_b: float = 7.0  # billions of parameters (sizes weight transfers, simulated engines)
     dtype: str = "bfloat16"
 
@@ -35,6 +38,29 @@ class DataConfig:
     prompt_min_tokens: int = 128
     prompt_max_tokens: int = 1024
     shuffle: bool = True
+    # Real prompts (laminar_core.tasks): source jsonl/parquet read ``path``; source task
+    # generates rows with the registered task ``task`` called with ``task_options``.
+    path: str = ""
+    prompt_key: str = "prompt"  # the column/key holding the prompt text
+    task: str = "repeat"
+    task_options: dict[str, Any] = field(default_factory=dict)
+    max_prompt_tokens: int = 2048  # longer prompts are skipped and counted
+
+
+@dataclass
+class RewardConfig:
+    """How finished trajectories are scored (``laminar_core.tasks.build_reward``).
+
+    ``fn``: a registered reward name (``laminar plugins`` lists them) or
+    ``"package.module:function"``; empty means the task's own reward when
+    ``data.source=task``, else no reward. ``options`` are passed to it as keyword arguments.
+    A call that raises or runs past ``timeout_s`` marks its trajectory failed.
+    """
+
+    fn: str = ""
+    timeout_s: float = 30.0
+    workers: int = 4  # threads running reward calls
+    options: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -94,9 +120,30 @@ class StudyConfig:
 
 
 @dataclass
+class RuntimeConfig:
+    """Where the components run.
+
+    ``local``: every component is a plain object in the driver (simulated engines, tests).
+    ``ray``: trainer ranks and rollout replicas are Ray actors placed with a placement group;
+    ``address`` empty starts a local cluster, ``auto`` or ``ray://host:port`` joins one.
+    """
+
+    kind: str = "local"
+    address: str = ""
+    num_cpus: int = 0  # local cluster only; 0: enough logical CPUs for every actor
+    cpus_per_trainer: float = 1.0
+    gpus_per_trainer: float = 0.0
+    cpus_per_replica: float = 1.0
+    gpus_per_replica: float = 0.0
+    placement_strategy: str = "PACK"
+    start_timeout_s: float = 300.0  # per actor: loading a model, starting an engine
+
+
+@dataclass
 class TelemetryConfig:
     events: bool = True  # keep the event timeline (Chrome trace) in memory
     progress: bool = True  # console line per step
+    tensorboard: bool = True  # RUN_DIR/tensorboard/ event files (needs the tensorboard package)
 
 
 @dataclass
@@ -105,6 +152,7 @@ class LaminarConfig:
     schedule: str = "laminar"
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
@@ -113,6 +161,7 @@ class LaminarConfig:
     buffer: BufferConfig = field(default_factory=BufferConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     study: StudyConfig = field(default_factory=StudyConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
 
 

@@ -42,3 +42,17 @@ def laminar_schedules() -> dict[str, object]:
         "stale": "laminar_core.loop.schedules:make_stale",
         "laminar": "laminar_core.loop.schedules:make_laminar",
     }
+
+
+@hookimpl
+def laminar_tasks() -> dict[str, object]:
+    return {"repeat": "laminar_core.tasks.repeat:RepeatTask"}
+
+
+@hookimpl
+def laminar_rewards() -> dict[str, object]:
+    return {
+        "repeat": "laminar_core.tasks.repeat:repeat_reward",
+        "exact_match": "laminar_core.tasks.rewards:exact_match",
+        "contains": "laminar_core.tasks.rewards:contains",
+    }

@@ -37,6 +37,10 @@ _KIND_TABLE: tuple[KindSpec, ...] = (
     KindSpec("transport", "laminar_transports", "transport"),
     KindSpec("repack", "laminar_repack_policies", "repack policy"),
     KindSpec("schedule", "laminar_schedules", "schedule"),
+    # Prompt sources: factory(**data.task_options) -> Sequence[dict] of rows with "prompt".
+    KindSpec("task", "laminar_tasks", "task"),
+    # Reward functions: fn(response: str, row: dict, **reward.options) -> float.
+    KindSpec("reward", "laminar_rewards", "reward"),
 )
 
 #: Plugin kinds in declaration order, keyed by kind (``"rollout"`` -> its :class:`KindSpec`).

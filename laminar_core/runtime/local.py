@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from laminar_core.buffers import ExperienceBuffer, PromptPool, SyntheticPrompts
+from laminar_core.buffers import ExperienceBuffer, PromptPool
 from laminar_core.config.loader import ResolvedConfig, make_schedule
 from laminar_core.interfaces import BuildContext, RolloutEngine, TrainerEngine, build
 from laminar_core.loop.controller import Controller
@@ -20,6 +20,7 @@ from laminar_core.plugins import PluginManager, default_manager
 from laminar_core.relay.node import NodeRelay
 from laminar_core.relay.tier import RelayTier
 from laminar_core.runtime.placement import Placement, plan_placement
+from laminar_core.tasks import build_prompts
 from laminar_core.telemetry import EventLog, MetricsWriter
 from laminar_core.types import SamplingParams
 
@@ -42,11 +43,9 @@ class LocalRun:
     shared: dict = field(default_factory=dict)
 
 
-def build_dataset(resolved: ResolvedConfig):
-    d, seed = resolved.cfg.data, resolved.cfg.run.seed
-    if d.source == "synthetic":
-        return SyntheticPrompts(d.size, d.prompt_min_tokens, d.prompt_max_tokens, seed=seed)
-    raise ValueError(f"data.source: unknown '{d.source}'")  # the config check names the fix
+def build_dataset(resolved: ResolvedConfig, tokenizer=None):
+    """The prompt dataset of ``data.source`` (no tokenizer: simulated lengths, no ids)."""
+    return build_prompts(resolved, tokenizer)[0]
 
 
 def build_local_run(

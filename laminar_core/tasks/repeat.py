@@ -63,6 +63,7 @@ class RepeatTask(Sequence[dict[str, Any]]):
     """
 
     name = "repeat"
+    Options = RepeatOptions  # validates data.task_options before the run starts
 
     def __init__(self, **options: Any) -> None:
         self.options = RepeatOptions(**options)

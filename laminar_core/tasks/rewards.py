@@ -1,0 +1,110 @@
+"""Reward functions and the async wrapper the rollout manager awaits.
+
+A reward function is ``fn(response: str, row: dict, **options) -> float``: ``response`` is the
+decoded response text (special tokens skipped), ``row`` the prompt's row (its metadata: the
+dataset row plus the loop's own keys). It runs in a worker thread under a timeout, so a slow
+or hanging reward never blocks the event loop; a raise, a timeout or a non-finite result
+becomes :class:`RewardError`, which the manager turns into a failed trajectory carrying the
+message while the run goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import importlib
+import math
+import re
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from laminar_core.types import Trajectory
+
+RewardCallable = Callable[..., float]
+_SPEC_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+
+
+class RewardError(RuntimeError):
+    """A reward call failed (raised, timed out, returned a non-number); names reward and cause."""
+
+
+def _normalise(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def exact_match(response: str, row: dict[str, Any], key: str = "answer") -> float:
+    """1.0 when the response equals ``row[key]`` up to surrounding/repeated whitespace."""
+    return float(_normalise(response) == _normalise(row[key]))
+
+
+def contains(response: str, row: dict[str, Any], key: str = "answer") -> float:
+    """1.0 when ``row[key]`` occurs in the response (e.g. a final answer inside reasoning)."""
+    return float(_normalise(row[key]) in _normalise(response))
+
+
+def import_reward(spec: str) -> RewardCallable:
+    """Import ``"package.module:function"``; raise ``ValueError`` with the cause and the fix."""
+    if not _SPEC_RE.match(spec):
+        raise ValueError(f"'{spec}' is neither a registered reward nor 'package.module:function'")
+    module_name, _, attr_path = spec.partition(":")
+    try:
+        obj: Any = importlib.import_module(module_name)
+        for attr in attr_path.split("."):
+            obj = getattr(obj, attr)
+    except Exception as e:
+        raise ValueError(
+            f"cannot import '{spec}' ({type(e).__name__}: {e}); check the module is importable "
+            "(on PYTHONPATH) and the function name"
+        ) from None
+    if not callable(obj):
+        raise ValueError(f"'{spec}' is not callable")
+    return obj
+
+
+def wrap_reward(
+    fn: RewardCallable,
+    name: str,
+    decode: Callable[[list[int]], str] | None,
+    timeout_s: float,
+    options: dict[str, Any] | None = None,
+    workers: int = 4,
+) -> Callable[[Trajectory], Awaitable[float]]:
+    """The manager-facing reward: ``async traj -> float``.
+
+    Decodes ``traj.response_ids`` with ``decode`` (``None``: the response text is ``""``, as for
+    simulated engines that produce no ids), then runs ``fn(text, traj.metadata, **options)``
+    in a dedicated thread pool under ``asyncio.wait_for(timeout_s)``. Raises
+    :class:`RewardError` naming ``name`` and the cause. A timed-out call's thread cannot be
+    killed: it finishes in the background (a reward that may hang forever should bound
+    itself), and the pool's ``workers`` threads bound how many run at once.
+    """
+    call = functools.partial(fn, **options) if options else fn
+    pool: ThreadPoolExecutor | None = None
+
+    async def reward(traj: Trajectory) -> float:
+        nonlocal pool
+        if pool is None:  # created on first use: building the callable starts no threads
+            pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="laminar-reward")
+        text = decode(list(traj.response_ids)) if decode is not None else ""
+        loop = asyncio.get_running_loop()
+        try:
+            value = await asyncio.wait_for(
+                loop.run_in_executor(pool, call, text, traj.metadata), timeout_s
+            )
+        except TimeoutError:
+            raise RewardError(f"reward {name!r} timed out after {timeout_s:g} s") from None
+        except Exception as e:
+            raise RewardError(f"reward {name!r} raised {type(e).__name__}: {e}") from e
+        try:
+            result = float(value)
+        except (TypeError, ValueError):
+            raise RewardError(
+                f"reward {name!r} returned {value!r}; it must return a number"
+            ) from None
+        if not math.isfinite(result):
+            raise RewardError(f"reward {name!r} returned {result}; it must be finite")
+        return result
+
+    reward.__name__ = f"reward_{name}"
+    return reward
