@@ -1,5 +1,6 @@
 """Events, metrics and the files of a run directory."""
 
 from laminar_core.telemetry.events import EventLog, MetricsWriter
+from laminar_core.telemetry.tensorboard import TENSORBOARD_DIR, TensorBoardSink
 
-__all__ = ["EventLog", "MetricsWriter"]
+__all__ = ["TENSORBOARD_DIR", "EventLog", "MetricsWriter", "TensorBoardSink"]
