@@ -36,7 +36,37 @@ def _parser() -> argparse.ArgumentParser:
     show.add_argument("config")
     show.add_argument("overrides", nargs="*")
     sub.add_parser("plugins", help="list every discovered engine, transport, policy, schedule")
+    tiny = sub.add_parser(
+        "tiny-model", help="write a tiny random-init Qwen2-style model + char tokenizer (no hub)"
+    )
+    tiny.add_argument("out_dir", help="directory to write (Hugging Face format)")
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("--hidden-size", type=int, default=128)
+    tiny.add_argument("--layers", type=int, default=2)
+    tiny.add_argument("--heads", type=int, default=2, help="head dim = hidden / heads (64 or 32)")
+    tiny.add_argument("--kv-heads", type=int, default=1)
+    tiny.add_argument("--intermediate-size", type=int, default=None)
     return p
+
+
+def _tiny_model(args: argparse.Namespace) -> int:
+    from laminar_core.models import build_tiny_model
+
+    try:
+        out = build_tiny_model(
+            args.out_dir,
+            seed=args.seed,
+            hidden_size=args.hidden_size,
+            layers=args.layers,
+            heads=args.heads,
+            kv_heads=args.kv_heads,
+            intermediate_size=args.intermediate_size,
+        )
+    except (ValueError, ImportError) as e:
+        print(f"laminar: error: tiny-model: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {out} (use it with model.path={out})")
+    return 0
 
 
 def _simulate(args: argparse.Namespace) -> int:
@@ -93,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
             return _simulate(args)
         if args.cmd == "train":
             return _train(args)
+        if args.cmd == "tiny-model":
+            return _tiny_model(args)
     except (ConfigError, LengthFileError, UnknownPluginError, PluginResolveError) as e:
         print(f"laminar: error: {e}", file=sys.stderr)
         return 2
