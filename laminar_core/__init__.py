@@ -13,10 +13,14 @@ from laminar_core.interfaces import (
     RolloutEngine,
     TrainerContext,
     TrainerEngine,
+    TransportError,
     WeightTransport,
 )
 from laminar_core.plugins import hookimpl
 from laminar_core.relay import WeightIntegrityError, unpack
+from laminar_core.relay.packing import checksum as bucket_checksum
+from laminar_core.relay.wire import HEADER_BYTES as BUCKET_HEADER_BYTES
+from laminar_core.relay.wire import decode_bucket_header, encode_bucket_header
 from laminar_core.types import (
     Bucket,
     EngineStats,
@@ -36,6 +40,7 @@ from laminar_core.types import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "BUCKET_HEADER_BYTES",
     "AlgorithmConfig",
     "Bucket",
     "BuildContext",
@@ -58,10 +63,14 @@ __all__ = [
     "TrainerContext",
     "TrainerEngine",
     "Trajectory",
+    "TransportError",
     "WeightIntegrityError",
     "WeightManifest",
     "WeightTransport",
     "__version__",
+    "bucket_checksum",
+    "decode_bucket_header",
+    "encode_bucket_header",
     "hookimpl",
     "load_config",
     "unpack",

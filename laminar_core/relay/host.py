@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
 import os
 from collections.abc import Callable
@@ -46,6 +47,7 @@ class _Job:
     committed: asyncio.Future
     forwarded: asyncio.Future
     tasks: list[asyncio.Task] = field(default_factory=list)
+    shared: Any = None  # what ``on_commit`` returned (awaited by ``drain``)
 
 
 class RelayHost:
@@ -62,7 +64,7 @@ class RelayHost:
         rank: int,
         manifest_timeout_s: float = 600.0,
         die_at: tuple[int, int] | None = None,
-        on_commit: Callable[[NodeRelay], Any] | None = None,
+        on_commit: Callable[[NodeRelay], Any] | None = None,  # may return an awaitable
     ) -> None:
         self.relay = relay
         self.transport = transport
@@ -106,9 +108,13 @@ class RelayHost:
         return job
 
     async def offer_manifest(self, manifest: WeightManifest) -> None:
-        """The manifest of a version being received (complete once the export is walked)."""
-        job = self._job(manifest.version)
-        if not job.manifest.done():
+        """The manifest of the version being received (complete once the export is walked).
+
+        Only a reception in progress takes it: a late offer from an attempt that already
+        failed here must not complete a later attempt with the wrong manifest.
+        """
+        job = self._jobs.get(manifest.version)
+        if job is not None and not job.committed.done() and not job.manifest.done():
             job.manifest.set_result(manifest)
 
     async def receive(self, version: int, count: int, pred: int, nxt: int | None) -> int:
@@ -123,12 +129,15 @@ class RelayHost:
         return await asyncio.shield(job.committed)
 
     async def drain(self, version: int) -> None:
-        """Return once this host finished forwarding ``version`` (raise what went wrong)."""
+        """Return once this host finished forwarding ``version`` and sharing it with its
+        node (raise what went wrong)."""
         job = self._jobs.get(version)
         if job is None:
             return
         try:
             await asyncio.shield(job.forwarded)
+            if inspect.isawaitable(job.shared):
+                await job.shared
         finally:
             if job.committed.done() and job.forwarded.done():
                 self._jobs.pop(version, None)
@@ -240,7 +249,7 @@ class RelayHost:
                 )
                 relay.commit(manifest)  # serve it as soon as it is complete here
                 if self.on_commit is not None:
-                    self.on_commit(relay)
+                    job.shared = self.on_commit(relay)
         except asyncio.CancelledError:
             relay.abandon(version)
             raise

@@ -247,8 +247,12 @@ class RelayTier:
         t_start = max(ts, 1e-7)
         t_byte = max(tl - ts, 1e-12) / (large - small)
         self.link = (t_byte, t_start)
-        log.info("relay link measured: t_byte=%.3g s/B (%.2f GB/s), t_start=%.3g s",
-                 t_byte, 1e-9 / t_byte, t_start)
+        log.info(
+            "relay link measured: t_byte=%.3g s/B (%.2f GB/s), t_start=%.3g s",
+            t_byte,
+            1e-9 / t_byte,
+            t_start,
+        )
         return self.link
 
     # --- publishing ---------------------------------------------------------------------------
@@ -256,6 +260,10 @@ class RelayTier:
     async def _settle(self) -> None:
         if self._previous is not None:
             await asyncio.gather(self._previous, return_exceptions=True)
+
+    async def wait_broadcast(self) -> None:
+        """Return once the last version's chain broadcast (and any repair) has ended."""
+        await self._settle()
 
     async def publish(
         self,
@@ -293,8 +301,11 @@ class RelayTier:
                         f"master relay died while version {version} was pushed; the new master "
                         f"is relay rank {self.master_rank}: publish again"
                     ) from e
-                log.warning("master died mid-push; replaying version %s to rank %s",
-                            version, self.master_rank)
+                log.warning(
+                    "master died mid-push; replaying version %s to rank %s",
+                    version,
+                    self.master_rank,
+                )
                 export = named_tensors()  # type: ignore[operator]
                 continue
             self._last_version = version
@@ -318,7 +329,7 @@ class RelayTier:
         master_done = loop.create_future()
 
         async def host_job(i: int) -> None:
-            rank, host = chain[i]
+            host = chain[i][1]
             pred = TRAINER_RANK if i == 0 else chain[i - 1][0]
             nxt = chain[i + 1][0] if i + 1 < len(chain) else None
             await host.receive(version, count, pred, nxt)
@@ -371,12 +382,13 @@ class RelayTier:
         except WeightIntegrityError:
             # The abort marker travels the chain like data, so every link is left empty.
             await self._trainer.send(Bucket(version, ABORT, 0), master_rank)  # type: ignore[union-attr]
-            await asyncio.wait_for(
-                asyncio.gather(*jobs, return_exceptions=True), self.timeout_s
-            )
+            await asyncio.wait_for(asyncio.gather(*jobs, return_exceptions=True), self.timeout_s)
             raise
-        except Exception as e:  # the wire to the master broke
-            await asyncio.sleep(0)
+        except Exception as e:  # the wire to the master broke: is the master gone?
+            for _ in range(50):
+                if not master.is_alive():
+                    break
+                await asyncio.sleep(0.05)
             if not master.is_alive():
                 await call_off()
                 raise _MasterLost(str(e)) from e
@@ -413,7 +425,8 @@ class RelayTier:
         pending = set(jobs)
         while pending:
             done, pending = await asyncio.wait(
-                pending, timeout=max(0.0, deadline - loop.time()),
+                pending,
+                timeout=max(0.0, deadline - loop.time()),
                 return_when=asyncio.FIRST_COMPLETED,
             )
             if not done:
@@ -446,23 +459,27 @@ class RelayTier:
         need = [chain[i] for i, v in enumerate(held) if isinstance(v, int) and v < version]
         if not have or not need:
             if need:
-                log.error("version %s: no live relay holds it; %s keep older versions",
-                          version, [r for r, _ in need])
+                log.error(
+                    "version %s: no live relay holds it; %s keep older versions",
+                    version,
+                    [r for r, _ in need],
+                )
             return
         sub = [have[0], *need]
-        log.warning("repairing version %s: rank %s -> %s", version, sub[0][0],
-                    [r for r, _ in need])
+        log.warning("repairing version %s: rank %s -> %s", version, sub[0][0], [r for r, _ in need])
 
         async def target(i: int) -> None:
-            rank, host = sub[i]
-            await host.offer_manifest(manifest)
+            host = sub[i][1]
             nxt = sub[i + 1][0] if i + 1 < len(sub) else None
-            await host.receive(version, count, sub[i - 1][0], nxt)
+            got = asyncio.ensure_future(host.receive(version, count, sub[i - 1][0], nxt))
+            await asyncio.sleep(0)  # the reception exists before its manifest is offered
+            await host.offer_manifest(manifest)
+            await got
             await host.drain(version)
 
         tasks = [asyncio.ensure_future(sub[0][1].serve(version, sub[1][0]))]
         tasks += [asyncio.ensure_future(target(i)) for i in range(1, len(sub))]
-        done, pending = await asyncio.wait(tasks, timeout=self.timeout_s)
+        _, pending = await asyncio.wait(tasks, timeout=self.timeout_s)
         for t in pending:
             t.cancel()
         await asyncio.gather(
@@ -471,8 +488,9 @@ class RelayTier:
         )
         for t, (rank, _) in zip(tasks, sub):
             if t.done() and not t.cancelled() and t.exception() is not None:
-                log.error("repair of version %s at rank %s failed: %r", version, rank,
-                          t.exception())
+                log.error(
+                    "repair of version %s at rank %s failed: %r", version, rank, t.exception()
+                )
 
     def relay_for_node(self, node: int) -> NodeRelay:
         for r in self.relays:

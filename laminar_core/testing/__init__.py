@@ -10,7 +10,20 @@ Each ``check_*`` coroutine drives an engine through its interface's lifecycle an
         asyncio.run(check_rollout_engine(lambda name: MyEngine(name), prompt_ids=[1, 2, 3]))
 """
 
+from laminar_core.testing.relay import (
+    assert_loaded,
+    check_relay_chain,
+    check_relay_faults,
+    make_weights,
+)
 from laminar_core.testing.rollout import check_rollout_engine
 from laminar_core.testing.transport import check_transport
 
-__all__ = ["check_rollout_engine", "check_transport"]
+__all__ = [
+    "assert_loaded",
+    "check_relay_chain",
+    "check_relay_faults",
+    "check_rollout_engine",
+    "check_transport",
+    "make_weights",
+]

@@ -14,11 +14,15 @@ from laminar_core.types import Bucket
 async def check_transport(
     make_transport: Callable[[int], WeightTransport | Awaitable],
     sizes: tuple[int, ...] = (1, 1000, 1 << 20),
+    timeout_s: float = 120.0,
 ) -> None:
     """Three endpoints (ranks 0, 1, 2): 0 sends to 1 while 1 forwards to 2, overlapped.
 
     Checks that bytes arrive exactly (checksums), in order per sender, that sends and
-    receives to different peers can be in flight at once, and that ``endpoint`` is stable.
+    receives to different peers can be in flight at once, and that ``endpoint`` is stable;
+    that a phantom bucket (no bytes), an empty one and a truncated one (fewer bytes than it
+    announces) arrive as sent, so the receiver's checks see what the sender sent; and that
+    after ``connect`` drops a member the others still talk (a rebuilt chain: 0 -> 2).
     """
     eps = []
     for rank in range(3):
@@ -28,13 +32,20 @@ async def check_transport(
         eps.append(t)
     peers = {}
     for rank, t in enumerate(eps):
-        await t.open("relay", rank, peers)
+        await t.open("trainer" if rank == 0 else "relay", rank, {})
         peers[rank] = t.endpoint()
         assert t.endpoint() == peers[rank], "endpoint() changed between calls"
+    await asyncio.gather(*(t.connect(dict(peers)) for t in eps))
     buckets = []
     for i, n in enumerate(sizes):
         data = os.urandom(n)
         buckets.append(Bucket(1, i, n, checksum(data), data))
+    odd = [
+        Bucket(1, len(sizes), 4096, -1, None),  # phantom: a size, no bytes
+        Bucket(1, len(sizes) + 1, 0, checksum(b""), b""),
+        Bucket(1, len(sizes) + 2, 100, 7, os.urandom(60)),  # truncated on purpose
+    ]
+    buckets += odd
 
     async def sender() -> None:
         for b in buckets:
@@ -51,11 +62,27 @@ async def check_transport(
     async def tail() -> list[Bucket]:
         return [await eps[2].recv(1) for _ in buckets]
 
-    _, mid, end = await asyncio.wait_for(asyncio.gather(sender(), relay(), tail()), 60)
+    _, mid, end = await asyncio.wait_for(asyncio.gather(sender(), relay(), tail()), timeout_s)
     for got in (mid, end):
         assert [b.index for b in got] == [b.index for b in buckets], "buckets reordered"
         for b, want in zip(got, buckets):
-            assert b.nbytes == want.nbytes and bytes(b.data) == want.data, "bytes changed"
-            assert checksum(b.data) == want.checksum
+            assert (b.version, b.nbytes, b.checksum) == (want.version, want.nbytes, want.checksum)
+            if want.data is None:
+                assert b.data is None, "a phantom bucket arrived with bytes"
+                continue
+            assert b.data is not None and bytes(b.data) == bytes(want.data), "bytes changed"
+            if want.checksum != 7:
+                assert checksum(b.data) == want.checksum
+
+    # rank 1 leaves; the survivors link up directly, both ways
+    rest = {0: peers[0], 2: peers[2]}
+    await asyncio.gather(eps[0].connect(rest), eps[2].connect(rest))
+    data = os.urandom(5000)
+    fwd, back = Bucket(2, 0, 5000, checksum(data), data), Bucket(2, 1, 3, checksum(b"abc"), b"abc")
+    _, got_fwd, _, got_back = await asyncio.wait_for(
+        asyncio.gather(eps[0].send(fwd, 2), eps[2].recv(0), eps[2].send(back, 0), eps[0].recv(2)),
+        timeout_s,
+    )
+    assert bytes(got_fwd.data) == data and bytes(got_back.data) == b"abc", "rebuilt link broke"
     for t in eps:
         await t.close()

@@ -1,0 +1,260 @@
+"""A relay in its own process, driven over a pipe: what real transports run between.
+
+``RelayProcess`` spawns a process hosting one ``RelayHost`` (its ``NodeRelay``, its transport
+endpoint, optionally a ``SharedVersionStore`` for the node's rollouts) and exposes the same
+coroutines as ``RelayHost``, so the ``RelayTier`` drives it exactly like an in-process relay.
+The control channel is a ``multiprocessing`` pipe carrying small RPCs (the manifest, version
+numbers, ranks); bucket bytes only ever travel on the transport.
+
+A process that exits (crash, ``kill``) fails every pending call with ``RelayDied`` at once and
+reports ``is_alive() == False``, which is how the tier notices a dead relay. The Ray runtime
+can host the same ``RelayHost`` in an actor instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import multiprocessing as mp
+import os
+import signal
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from laminar_core.interfaces import TransportError, WeightTransport
+from laminar_core.relay.host import RelayHost
+from laminar_core.relay.node import NodeRelay
+from laminar_core.relay.wire import manifest_from_json, manifest_to_json
+from laminar_core.types import WeightManifest
+
+log = logging.getLogger(__name__)
+
+
+class RelayDied(TransportError):
+    """The relay's process is gone."""
+
+
+def _picklable(e: BaseException) -> BaseException:
+    import pickle
+
+    try:
+        pickle.loads(pickle.dumps(e))
+        return e
+    except Exception:
+        return RuntimeError(f"{type(e).__name__}: {e}")
+
+
+def _serve(conn: Any, spec: dict[str, Any]) -> None:
+    """Child entry point: host one relay and answer RPCs until ``close``."""
+    os.environ.update(spec.get("env") or {})
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+
+    torch.set_num_threads(1)
+    logging.basicConfig(level=spec.get("log_level", logging.WARNING))
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        relay = NodeRelay(spec["relay_id"], spec["node"])
+        on_commit = None
+        if spec.get("shm_dir"):
+            from laminar_core.relay.shm import SharedVersionStore
+
+            store = SharedVersionStore(spec["shm_dir"], spec["relay_id"])
+
+            def on_commit(r: NodeRelay) -> asyncio.Future:  # write off the event loop
+                return loop.run_in_executor(None, store.write, r.read())
+
+        transport: WeightTransport = spec["transport_factory"]()
+        host = RelayHost(
+            relay, transport, spec["rank"], die_at=spec.get("die_at"), on_commit=on_commit
+        )
+        stop = asyncio.Event()
+        send_lock = threading.Lock()
+
+        def reply(msg: tuple) -> None:
+            with send_lock:
+                try:
+                    conn.send(msg)
+                except (OSError, EOFError):
+                    stop.set()
+
+        async def handle(rid: int, method: str, args: tuple) -> None:
+            try:
+                if method == "offer_manifest":
+                    args = (manifest_from_json(args[0]),)
+                if method == "expect_layout":
+                    relay.expect_layout(args[0])
+                    value = None
+                else:
+                    value = await getattr(host, method)(*args)
+                reply((rid, True, value))
+            except BaseException as e:
+                reply((rid, False, _picklable(e)))
+            if method == "close":
+                stop.set()
+
+        def reader() -> None:
+            while True:
+                try:
+                    rid, method, args = conn.recv()
+                except (EOFError, OSError):
+                    loop.call_soon_threadsafe(stop.set)
+                    return
+                loop.call_soon_threadsafe(
+                    lambda r=rid, m=method, a=args: asyncio.ensure_future(handle(r, m, a))
+                )
+
+        threading.Thread(target=reader, daemon=True).start()
+        await stop.wait()
+
+    asyncio.run(main())
+    os._exit(0)  # skip interpreter teardown of transport threads
+
+
+class RelayProcess:
+    """Driver-side handle to a relay hosted in a spawned process (see module docstring).
+
+    ``transport_factory`` must be picklable (a class, or ``functools.partial`` of one with its
+    options): the child builds its own endpoint from it.
+    """
+
+    _ctx = mp.get_context("spawn")
+
+    def __init__(
+        self,
+        relay_id: int,
+        node: int,
+        rank: int,
+        transport_factory: Callable[[], WeightTransport],
+        *,
+        shm_dir: str | None = None,
+        die_at: tuple[int, int] | None = None,
+        env: dict[str, str] | None = None,
+        log_level: int = logging.WARNING,
+    ) -> None:
+        self.relay_id, self.node, self.rank = relay_id, node, rank
+        self.shm_dir = shm_dir
+        parent, child = self._ctx.Pipe()
+        spec = {
+            "relay_id": relay_id,
+            "node": node,
+            "rank": rank,
+            "transport_factory": transport_factory,
+            "shm_dir": shm_dir,
+            "die_at": die_at,
+            "env": env,
+            "log_level": log_level,
+        }
+        self._conn = parent
+        self._proc = self._ctx.Process(
+            target=_serve, args=(child, spec), daemon=True, name=f"laminar-relay-{relay_id}"
+        )
+        self._proc.start()
+        child.close()
+        self._ids = itertools.count()
+        self._pending: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        self._lock = threading.Lock()
+        self._dead = False
+        threading.Thread(target=self._reader, daemon=True).start()
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid
+
+    def is_alive(self) -> bool:
+        return not self._dead and self._proc.is_alive()
+
+    def _reader(self) -> None:
+        while True:
+            try:
+                rid, ok, value = self._conn.recv()
+            except (EOFError, OSError):
+                break
+            with self._lock:
+                entry = self._pending.pop(rid, None)
+            if entry is not None:
+                loop, fut = entry
+                loop.call_soon_threadsafe(_settle, fut, ok, value)
+        self._dead = True
+        with self._lock:
+            pending, self._pending = self._pending, {}
+        err = RelayDied(f"relay {self.relay_id} (pid {self._proc.pid}) died")
+        for loop, fut in pending.values():
+            loop.call_soon_threadsafe(_settle, fut, False, err)
+
+    async def _call(self, method: str, *args: Any) -> Any:
+        if self._dead:
+            raise RelayDied(f"relay {self.relay_id} is dead")
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        rid = next(self._ids)
+        with self._lock:
+            self._pending[rid] = (loop, fut)
+        try:
+            self._conn.send((rid, method, args))
+        except (OSError, EOFError, BrokenPipeError) as e:
+            with self._lock:
+                self._pending.pop(rid, None)
+            raise RelayDied(f"relay {self.relay_id} is unreachable: {e}") from e
+        return await fut
+
+    # --- the RelayHost surface -------------------------------------------------------------------
+
+    async def open(self) -> Any:
+        return await self._call("open")
+
+    async def connect(self, peers: dict[int, Any]) -> None:
+        await self._call("connect", peers)
+
+    async def receive(self, version: int, count: int, pred: int, nxt: int | None) -> int:
+        return await self._call("receive", version, count, pred, nxt)
+
+    async def offer_manifest(self, manifest: WeightManifest) -> None:
+        await self._call("offer_manifest", manifest_to_json(manifest))
+
+    async def drain(self, version: int) -> None:
+        await self._call("drain", version)
+
+    async def cancel(self, version: int) -> None:
+        await self._call("cancel", version)
+
+    async def serve(self, version: int, nxt: int) -> None:
+        await self._call("serve", version, nxt)
+
+    async def probe(self, pred: int, count: int) -> None:
+        await self._call("probe", pred, count)
+
+    async def status(self) -> int:
+        return await self._call("status")
+
+    async def expect_layout(self, specs: list[tuple[str, tuple[int, ...], str]]) -> None:
+        await self._call("expect_layout", specs)
+
+    async def close(self, timeout_s: float = 10.0) -> None:
+        """Close the transport in the child and wait for it to exit (kill it if it hangs)."""
+        if self.is_alive():
+            with contextlib.suppress(TimeoutError, RelayDied):
+                await asyncio.wait_for(self._call("close"), timeout_s)
+        await asyncio.to_thread(self._proc.join, timeout_s)
+        if self._proc.is_alive():
+            self.kill()
+
+    def kill(self) -> None:
+        """SIGKILL the relay process (a crash, for fault tests)."""
+        if self._proc.pid is not None and self._proc.is_alive():
+            os.kill(self._proc.pid, signal.SIGKILL)
+        self._proc.join(10)
+        self._dead = True
+
+
+def _settle(fut: asyncio.Future, ok: bool, value: Any) -> None:
+    if fut.done():
+        return
+    if ok:
+        fut.set_result(value)
+    else:
+        fut.set_exception(value)
