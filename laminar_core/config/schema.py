@@ -59,7 +59,7 @@ class RewardConfig:
 
     fn: str = ""
     timeout_s: float = 30.0
-    workers: int = 4  # threads running reward calls
+    workers: int = 4  # reward calls running at once (each in its own thread)
     options: dict[str, Any] = field(default_factory=dict)
 
 

@@ -2,7 +2,7 @@
 
 A reward function is ``fn(response: str, row: dict, **options) -> float``: ``response`` is the
 decoded response text (special tokens skipped), ``row`` the prompt's row (its metadata: the
-dataset row plus the loop's own keys). It runs in a worker thread under a timeout, so a slow
+dataset row plus the loop's own keys). It runs in a thread under a timeout, so a slow
 or hanging reward never blocks the event loop; a raise, a timeout or a non-finite result
 becomes :class:`RewardError`, which the manager turns into a failed trajectory carrying the
 message while the run goes on.
@@ -11,12 +11,13 @@ message while the run goes on.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import importlib
 import math
 import re
+import threading
 from collections.abc import Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from laminar_core.types import Trajectory
@@ -74,28 +75,48 @@ def wrap_reward(
 
     Decodes ``traj.response_ids`` with ``decode`` (``None``: the response text is ``""``, as for
     simulated engines that produce no ids), then runs ``fn(text, traj.metadata, **options)``
-    in a dedicated thread pool under ``asyncio.wait_for(timeout_s)``. Raises
-    :class:`RewardError` naming ``name`` and the cause. A timed-out call's thread cannot be
-    killed: it finishes in the background (a reward that may hang forever should bound
-    itself), and the pool's ``workers`` threads bound how many run at once.
+    in a daemon thread under ``asyncio.wait_for(timeout_s)``; at most ``workers`` calls run at
+    once (waiting for a turn does not count against the timeout). Raises
+    :class:`RewardError` naming ``name`` and the cause.
+
+    A timed-out call's thread cannot be killed: it is abandoned (and stops counting against
+    ``workers``), so a hanging reward costs a thread, never the run, and -- being a daemon --
+    never blocks interpreter exit.
     """
     call = functools.partial(fn, **options) if options else fn
-    pool: ThreadPoolExecutor | None = None
+    slots: asyncio.Semaphore | None = None
+
+    def settle(fut: asyncio.Future, ok: bool, value: Any) -> None:
+        if not fut.done():  # a timed-out call's result arrives to a cancelled future
+            if ok:
+                fut.set_result(value)
+            else:
+                fut.set_exception(value)
 
     async def reward(traj: Trajectory) -> float:
-        nonlocal pool
-        if pool is None:  # created on first use: building the callable starts no threads
-            pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="laminar-reward")
+        nonlocal slots
+        if slots is None:  # created in the running loop
+            slots = asyncio.Semaphore(workers)
         text = decode(list(traj.response_ids)) if decode is not None else ""
         loop = asyncio.get_running_loop()
-        try:
-            value = await asyncio.wait_for(
-                loop.run_in_executor(pool, call, text, traj.metadata), timeout_s
-            )
-        except TimeoutError:
-            raise RewardError(f"reward {name!r} timed out after {timeout_s:g} s") from None
-        except Exception as e:
-            raise RewardError(f"reward {name!r} raised {type(e).__name__}: {e}") from e
+        fut: asyncio.Future = loop.create_future()
+
+        def work() -> None:
+            try:
+                ok, value = True, call(text, traj.metadata)
+            except Exception as e:
+                ok, value = False, e
+            with contextlib.suppress(RuntimeError):  # the loop may be closed by now
+                loop.call_soon_threadsafe(settle, fut, ok, value)
+
+        async with slots:
+            threading.Thread(target=work, name=f"laminar-reward-{name}", daemon=True).start()
+            try:
+                value = await asyncio.wait_for(fut, timeout_s)
+            except TimeoutError:
+                raise RewardError(f"reward {name!r} timed out after {timeout_s:g} s") from None
+            except Exception as e:
+                raise RewardError(f"reward {name!r} raised {type(e).__name__}: {e}") from e
         try:
             result = float(value)
         except (TypeError, ValueError):
