@@ -16,11 +16,13 @@ from laminar_core.interfaces import (
     TransportError,
     WeightTransport,
 )
+from laminar_core.models import build_tiny_model
 from laminar_core.plugins import hookimpl
 from laminar_core.relay import WeightIntegrityError, unpack
 from laminar_core.relay.packing import checksum as bucket_checksum
 from laminar_core.relay.wire import HEADER_BYTES as BUCKET_HEADER_BYTES
 from laminar_core.relay.wire import decode_bucket_header, encode_bucket_header
+from laminar_core.tasks import DataError, DataReport, RewardError, build_prompts, build_reward
 from laminar_core.types import (
     Bucket,
     EngineStats,
@@ -45,6 +47,8 @@ __all__ = [
     "Bucket",
     "BuildContext",
     "ConfigError",
+    "DataError",
+    "DataReport",
     "EngineStats",
     "FinishReason",
     "GenerationRequest",
@@ -56,6 +60,7 @@ __all__ = [
     "ReplicaFailure",
     "ReplicaState",
     "ResolvedConfig",
+    "RewardError",
     "RolloutEngine",
     "SamplingParams",
     "TensorSpec",
@@ -69,6 +74,9 @@ __all__ = [
     "WeightTransport",
     "__version__",
     "bucket_checksum",
+    "build_prompts",
+    "build_reward",
+    "build_tiny_model",
     "decode_bucket_header",
     "encode_bucket_header",
     "hookimpl",
