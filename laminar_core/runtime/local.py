@@ -7,10 +7,12 @@ methods; the loop code does not change.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from laminar_core.buffers import ExperienceBuffer, PromptPool
+from laminar_core.buffers.prompts import Prompt
 from laminar_core.config.loader import ResolvedConfig, make_schedule
 from laminar_core.interfaces import BuildContext, RolloutEngine, TrainerEngine, build
 from laminar_core.loop.controller import Controller
@@ -66,7 +68,6 @@ def build_local_run(
     schedule = make_schedule(schedule_spec or cfg.schedule, cfg, pm)
     place = plan_placement(cfg, schedule)
     shared: dict = {}
-    events = EventLog(enabled=cfg.telemetry.events if record_events is None else record_events)
 
     def ctx(section: str, index: int, name: str, gpus: int) -> BuildContext:
         return BuildContext(cfg, resolved.engine_options.get(section), index, name, gpus, shared)
@@ -80,6 +81,45 @@ def build_local_run(
     trainers: list[TrainerEngine] = [
         build(trainer_cls, ctx("trainer", 0, "trainer", place.trainer_gpus))
     ]
+    return assemble(
+        resolved,
+        schedule,
+        place,
+        trainers,
+        engines,
+        pm,
+        shared,
+        run_dir=run_dir,
+        reward_fn=reward_fn,
+        record_events=record_events,
+    )
+
+
+def assemble(
+    resolved: ResolvedConfig,
+    schedule: Schedule,
+    place: Placement,
+    trainers: list[TrainerEngine],
+    engines: list[RolloutEngine],
+    pm: PluginManager,
+    shared: dict,
+    *,
+    dataset: Sequence[Prompt] | None = None,
+    run_dir: Path | None = None,
+    reward_fn: RewardFn | None = None,
+    record_events: bool | None = None,
+) -> LocalRun:
+    """Wire the loop (relays, buffers, manager, controller) around built engines.
+
+    The engines may be local objects or proxies over remote actors: the loop only awaits
+    their methods. ``dataset`` defaults to ``data.source`` without a tokenizer.
+    """
+    cfg = resolved.cfg
+    events = EventLog(enabled=cfg.telemetry.events if record_events is None else record_events)
+
+    def ctx(section: str, index: int, name: str, gpus: int) -> BuildContext:
+        return BuildContext(cfg, resolved.engine_options.get(section), index, name, gpus, shared)
+
     relays = [NodeRelay(n, n) for n in range(place.nodes)]
     transport_cls = pm.get("transport", cfg.relay.transport)
     tier = RelayTier(
@@ -91,7 +131,7 @@ def build_local_run(
     sampler = schedule.sampler if cfg.buffer.sampler == "auto" else cfg.buffer.sampler
     buffer = ExperienceBuffer(sampler)
     prompts = PromptPool(
-        build_dataset(resolved),
+        build_dataset(resolved) if dataset is None else dataset,
         cfg.data.samples_per_prompt,
         seed=cfg.run.seed,
         shuffle=cfg.data.shuffle,
