@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 
@@ -52,7 +53,8 @@ class PromptPool:
     """Walks a dataset in a seeded random order, epoch after epoch.
 
     ``state_dict()`` / ``load_state_dict()`` capture the position so a resumed run continues
-    with the very next prompt.
+    with the very next prompt; prompts handed out but never consumed (in flight when the run
+    stopped) are passed as ``pending`` and handed out again first, under the same index.
     """
 
     def __init__(
@@ -73,6 +75,7 @@ class PromptPool:
         self.position = 0  # prompts handed out so far
         self._epoch = -1
         self._order: list[int] = []
+        self._reissue: deque[int] = deque()
 
     def _order_for(self, epoch: int) -> list[int]:
         if epoch != self._epoch:
@@ -87,15 +90,24 @@ class PromptPool:
         return self.position // len(self.dataset)
 
     def next_group(self) -> PromptGroup:
-        i = self.position
+        if self._reissue:
+            i = self._reissue.popleft()
+        else:
+            i = self.position
+            self.position += 1
         epoch, k = divmod(i, len(self.dataset))
         row = self._order_for(epoch)[k]
-        self.position += 1
         return PromptGroup(i, f"g{i}", self.dataset[row], self.samples)
 
-    def state_dict(self) -> dict:
-        return {"position": self.position, "seed": self.seed}
+    def state_dict(self, pending: Iterable[int] = ()) -> dict:
+        """The position, plus ``pending``: indices handed out whose groups were not consumed."""
+        return {
+            "position": self.position,
+            "seed": self.seed,
+            "reissue": sorted({*pending, *self._reissue}),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.position = int(state["position"])
         self.seed = int(state.get("seed", self.seed))
+        self._reissue = deque(int(i) for i in state.get("reissue", ()))

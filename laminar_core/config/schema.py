@@ -18,7 +18,7 @@ class RunConfig:
     seed: int = 0
     steps: int = 10  # trainer steps (weight versions) to run
     out_dir: str = "runs"
-    checkpoint_every: int = 0  # trainer steps between checkpoints; 0: only at the end
+    checkpoint_every: int = 0  # steps between checkpoints; 0: only at the end; -1: never
     resume: str = ""  # a run directory (or one of its checkpoints) to continue from
 
 

@@ -9,11 +9,14 @@ manager, write one metrics row.
 from __future__ import annotations
 
 import asyncio
+import inspect
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from laminar_core.buffers import ExperienceBuffer
 from laminar_core.interfaces import TrainerEngine
+from laminar_core.loop import checkpoint as ckpt
 from laminar_core.loop.manager import RolloutManager
 from laminar_core.relay.tier import RelayTier
 from laminar_core.telemetry import EventLog, MetricsWriter
@@ -47,6 +50,8 @@ class Controller:
         events: EventLog | None = None,
         needs_logprobs: bool = False,
         keep_batches: bool = False,
+        run_dir: Path | None = None,
+        checkpoint_every: int = 0,
     ) -> None:
         if not trainers:
             raise ValueError("the controller needs at least one trainer rank")
@@ -63,16 +68,63 @@ class Controller:
         self.keep_batches = keep_batches
         self.step = 0
         self.t_start = 0.0
+        self.run_dir = run_dir
+        self.checkpoint_every = checkpoint_every
+        self.consumed_prompts: set[int] = set()  # prompt indices whose groups were trained on
+        self._republish = False  # after a restore: replicas must get the restored weights
+
+    async def _export(self):
+        """Rank 0's weights; a proxy over remote ranks exports asynchronously."""
+        exported = self.trainers[0].export_weights()
+        return await exported if inspect.isawaitable(exported) else exported
+
+    async def save_checkpoint(self) -> Path:
+        """Trainer state on every rank, then the loop's state, then the ``latest`` marker."""
+        assert self.run_dir is not None, "checkpoints need a run directory"
+        d = ckpt.checkpoint_dir(self.run_dir, self.step)
+        d.mkdir(parents=True, exist_ok=True)
+        await asyncio.gather(*(t.save_checkpoint(str(d / ckpt.TRAINER_DIR)) for t in self.trainers))
+        prompts = self.manager.prompts
+        pending = set(range(prompts.position)) - self.consumed_prompts
+        ckpt.write_loop_state(
+            d,
+            {"step": self.step, "prompts": prompts.state_dict(pending=pending)},
+        )
+        ckpt.mark_latest(d)
+        self.events.record(
+            asyncio.get_running_loop().time(), "checkpoint", "trainer", step=self.step
+        )
+        return d
+
+    async def restore(self, path: str | Path) -> Path:
+        """Continue from a checkpoint (or a run directory's latest): trainer state, step,
+        prompt position; the restored weights are published before rollouts start."""
+        d = ckpt.find_checkpoint(path)
+        state = ckpt.read_loop_state(d)
+        await asyncio.gather(*(t.load_checkpoint(str(d / ckpt.TRAINER_DIR)) for t in self.trainers))
+        self.step = int(state["step"])
+        self.manager.prompts.load_state_dict(state["prompts"])
+        self.manager.resume_at(self.step)
+        self._republish = self.step > 0
+        return d
 
     async def run(self, steps: int) -> list[StepRecord]:
         """Train until ``steps`` steps are done (counting from ``self.step``)."""
         loop = asyncio.get_running_loop()
         self.t_start = loop.time()
         await self.relays.open()
+        if self._republish:
+            await self.relays.publish(self.step, await self._export())
+            self._republish = False
         await self.manager.start()
         try:
             while self.step < steps:
                 await self._one_step(loop)
+                every = self.checkpoint_every
+                if self.run_dir is not None and (
+                    (every and self.step % every == 0) or (every >= 0 and self.step == steps)
+                ):
+                    await self.save_checkpoint()
         finally:
             await self.manager.stop()
             await self.relays.close()
@@ -91,9 +143,10 @@ class Controller:
             await asyncio.gather(*(t.compute_logprobs(batch) for t in self.trainers))
         results = await asyncio.gather(*(t.train_step(batch) for t in self.trainers))
         version = step + 1
-        pub = await self.relays.publish(version, self.trainers[0].export_weights())
+        pub = await self.relays.publish(version, await self._export())
         t2 = loop.time()
         self.step = version
+        self.consumed_prompts.update(g.prompt_index for g in batch.groups)
         self.manager.on_trainer_step(version, self.manager.consumed_groups + len(batch.groups))
         rewards = [t.reward for t in trajs if t.reward is not None]
         rec = StepRecord(

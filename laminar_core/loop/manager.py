@@ -124,6 +124,10 @@ class RolloutManager:
         await asyncio.gather(*(s.engine.start() for s in self.slots))
         for relay in {id(s.relay): s.relay for s in self.slots}.values():
             relay.listeners.append(self._relay_listener(relay))
+        for s in self.slots:
+            if s.relay.version > s.version:  # e.g. a resumed run: load before generating
+                self._close(s.replica_id)
+                s.wake.set()
         self._bg = [asyncio.ensure_future(self._driver(s)) for s in self.slots]
         self._bg.append(asyncio.ensure_future(self._heartbeat_loop()))
         if self.repack_policy is not None:
@@ -157,6 +161,11 @@ class RolloutManager:
     def now(self) -> float:
         assert self._loop is not None
         return self._loop.time()
+
+    def resume_at(self, step: int) -> None:
+        """Continue a run whose trainer has done ``step`` steps: batch tags count on from
+        there (nothing is outstanding: groups in flight at the checkpoint are re-issued)."""
+        self.admitted_groups = self.consumed_groups = step * self.opt.groups_per_step
 
     def on_trainer_step(self, version: int, consumed_groups: int) -> None:
         """The controller consumed a batch and published ``version``: admit more, repack."""

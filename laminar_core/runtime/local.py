@@ -169,6 +169,8 @@ def assemble(
         metrics=metrics,
         events=events,
         needs_logprobs=cfg.algorithm.off_policy != "none",
+        run_dir=run_dir,
+        checkpoint_every=cfg.run.checkpoint_every,
     )
     return LocalRun(
         resolved,
