@@ -377,23 +377,43 @@ class RelayTier:
                 j.cancel()
             await asyncio.gather(*jobs, *offers, return_exceptions=True)
 
+        # A transport may wait forever on a dead peer: if the master dies while the trainer
+        # pushes, its job fails (RelayDied) and this interrupts the push.
+        me, lost = asyncio.current_task(), []
+
+        def on_master(job: asyncio.Future) -> None:
+            failed = not job.cancelled() and job.exception() is not None
+            if failed and not master.is_alive() and me is not None and not lost and pushing:
+                lost.append(job.exception())
+                me.cancel()
+
+        pushing = True
+        jobs[0].add_done_callback(on_master)
         try:
             await trainer_send()
+        except asyncio.CancelledError:
+            if not lost:
+                raise
+            me.uncancel()  # type: ignore[union-attr]
+            await call_off()
+            raise _MasterLost(f"master relay rank {master_rank} died: {lost[0]!r}") from None
         except WeightIntegrityError:
+            pushing = False
             # The abort marker travels the chain like data, so every link is left empty.
             await self._trainer.send(Bucket(version, ABORT, 0), master_rank)  # type: ignore[union-attr]
             await asyncio.wait_for(asyncio.gather(*jobs, return_exceptions=True), self.timeout_s)
             raise
         except Exception as e:  # the wire to the master broke: is the master gone?
+            pushing = False
             for _ in range(50):
                 if not master.is_alive():
                     break
                 await asyncio.sleep(0.05)
-            if not master.is_alive():
-                await call_off()
-                raise _MasterLost(str(e)) from e
             await call_off()
+            if not master.is_alive():
+                raise _MasterLost(str(e)) from e
             raise
+        pushing = False
         await asyncio.wait([master_done, jobs[0]], return_when=asyncio.FIRST_COMPLETED)
         if not master_done.done():
             err = jobs[0].exception()
