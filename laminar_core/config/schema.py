@@ -96,6 +96,15 @@ class RelayConfig:
     transport: str = "sim"
     chunks: int = 0  # 0: from the latency model (k*), or bucket_mb without a link model
     bucket_mb: float = 64.0
+    # The latency model's link: seconds per byte and per-bucket start-up. Both > 0 override
+    # everything; 0 takes the transport's own model, else a measurement at start-up
+    # (calibrate), else bucket_mb.
+    t_byte_s: float = 0.0
+    t_start_s: float = 0.0
+    calibrate: bool = True  # real transports: measure the trainer -> master link at open
+    max_chunks: int = 4096  # upper bound on k*
+    shm_dir: str = "/dev/shm/laminar"  # where relays share versions with their node's rollouts
+    timeout_s: float = 600.0  # a broadcast (or repair) that takes longer is called off
 
 
 @dataclass
