@@ -55,7 +55,7 @@ class NixlOptions:
     ucx_tls: str = ""  # e.g. "tcp,self" (CI, laptops) or "rc,ud,self" (InfiniBand); "": UCX picks
     ucx_net_devices: str = ""  # e.g. "lo" on one machine, "mlx5_0:1" on a cluster
     timeout_s: float = 300.0  # waiting on a silent peer fails after this long
-    poll_s: float = 0.0005  # notification polling interval when idle
+    poll_s: float = 0.0002  # notification polling interval (x4 at most when idle)
 
 
 def _import_nixl() -> tuple[Any, Any]:
@@ -198,7 +198,7 @@ class NixlTransport(WeightTransport):
                 for msg in msgs:
                     got = True
                     self._on_notif(rank, bytes(msg))
-            idle = 0 if got else min(idle + 1, 20)
+            idle = 0 if got else min(idle + 1, 4)  # back off to 4 x poll_s when quiet
             await asyncio.sleep(0 if got else self.opt.poll_s * idle)
 
     def _on_notif(self, rank: int, msg: bytes) -> None:
