@@ -32,16 +32,16 @@ from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import say, table  # noqa: E402
+from _common import say, table
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("UCX_TLS", "tcp,self")
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import numpy as np
+import torch
 
-from laminar_core.relay import RelayProcess, RelayTier, chain_latency  # noqa: E402
+from laminar_core.relay import RelayProcess, RelayTier, chain_latency
 
 torch.set_num_threads(1)
 GiB = 1 << 30

@@ -145,7 +145,7 @@ def test_shared_memory_hand_off(tmp_path) -> None:
         load_shared(tmp_path, 1)
     asyncio.run(main())
     assert shared_version(tmp_path, 1) == 3
-    manifest, named = load_shared(tmp_path, 1)
+    _manifest, named = load_shared(tmp_path, 1)
     got = dict(named)
     for name, want in make_weights(3):
         assert got[name].dtype == want.dtype and torch.equal(got[name], want), name
