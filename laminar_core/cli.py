@@ -12,6 +12,7 @@ from pathlib import Path
 
 from laminar_core.config import ConfigError, load_config
 from laminar_core.plugins import PluginResolveError, UnknownPluginError, default_manager
+from laminar_core.runtime.train import TrainError
 from laminar_core.sim.lengths import LengthFileError
 
 
@@ -105,8 +106,8 @@ def _train(args: argparse.Namespace) -> int:
     from laminar_core.runtime.train import train
 
     resolved = load_config(args.config, args.overrides)
-    run_dir = train(resolved)
-    print(f"run directory: {run_dir}")
+    run_dir = train(resolved)  # prints the run directory first, so a crash still names it
+    print(f"done: {run_dir}")
     return 0
 
 
@@ -125,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
             return _train(args)
         if args.cmd == "tiny-model":
             return _tiny_model(args)
-    except (ConfigError, LengthFileError, UnknownPluginError, PluginResolveError) as e:
+    except (ConfigError, LengthFileError, UnknownPluginError, PluginResolveError, TrainError) as e:
         print(f"laminar: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

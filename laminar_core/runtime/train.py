@@ -1,17 +1,33 @@
 """``laminar train``: one run of the configured engines on the real clock, with a run dir.
 
-Run directory layout: ``config.yaml`` (resolved), ``metrics.jsonl`` (one object per trainer
-step), ``events.jsonl`` and ``trace.json`` (Chrome trace / Perfetto timeline).
+Run directory layout::
+
+    RUN_DIR/config.yaml        the resolved config
+    RUN_DIR/metrics.jsonl      one object per trainer step (stable keys, see README)
+    RUN_DIR/events.jsonl       every recorded event (trajectories, pulls, moves, steps)
+    RUN_DIR/trace.json         Chrome trace / Perfetto timeline of the same events
+    RUN_DIR/tensorboard/       TensorBoard event files (telemetry.tensorboard)
+    RUN_DIR/checkpoints/       step_N/{trainer/, loop_state.json} and ``latest``
+
+``runtime.kind=local`` builds every engine in this process (simulated engines, tests);
+``runtime.kind=ray`` places trainer ranks and replicas as Ray actors.
 """
 
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 from pathlib import Path
 
 from laminar_core.config.loader import ResolvedConfig
-from laminar_core.runtime.local import build_local_run
+from laminar_core.interfaces import TrainerContext
+from laminar_core.runtime.local import LocalRun, build_local_run
+from laminar_core.telemetry import TENSORBOARD_DIR, TensorBoardSink
+
+
+class TrainError(RuntimeError):
+    """The run could not start or stopped on an error; the message names the cause."""
 
 
 def make_run_dir(resolved: ResolvedConfig) -> Path:
@@ -27,19 +43,62 @@ def make_run_dir(resolved: ResolvedConfig) -> Path:
     return run_dir
 
 
+async def start_run(resolved: ResolvedConfig, run_dir: Path | None) -> LocalRun:
+    """Build the run for ``runtime.kind`` and set its trainer up (not started yet)."""
+    cfg = resolved.cfg
+    if cfg.runtime.kind == "ray":
+        from laminar_core.runtime.ray_run import build_ray_run
+
+        run = await build_ray_run(resolved, run_dir=run_dir)
+    else:
+        run = build_local_run(resolved, run_dir=run_dir)
+        opts = resolved.engine_options.get("trainer")
+        ctx = TrainerContext(0, 1, opts, cfg.algorithm, {"seed": cfg.run.seed})
+        await asyncio.gather(*(t.setup(ctx) for t in run.trainers))
+    if run_dir is not None:
+        metrics = run.controller.metrics
+        if cfg.telemetry.progress:
+            metrics.on_row = _print_progress
+        if cfg.telemetry.tensorboard:
+            metrics.add_sink(TensorBoardSink(run_dir / TENSORBOARD_DIR))
+    if cfg.run.resume:
+        where = await run.controller.restore(cfg.run.resume)
+        print(f"resumed from {where} at step {run.controller.step}", flush=True)
+    return run
+
+
+async def close_run(run: LocalRun) -> None:
+    await asyncio.gather(*(t.close() for t in run.trainers), return_exceptions=True)
+    if "ray" in run.shared:
+        from laminar_core.runtime.ray_run import shutdown_ray_run
+
+        shutdown_ray_run(run)
+
+
 def train(resolved: ResolvedConfig) -> Path:
+    """Run ``run.steps`` trainer steps; returns the run directory.
+
+    Raises ``TrainError`` with the cause when the run cannot start or breaks.
+    """
     run_dir = make_run_dir(resolved)
+    print(f"run directory: {run_dir}", flush=True)
 
     async def main() -> None:
-        run = build_local_run(resolved, run_dir=run_dir)
-        progress = resolved.cfg.telemetry.progress
-        if progress:
-            run.controller.metrics.on_row = _print_progress
+        try:
+            run = await start_run(resolved, run_dir)
+        except (FileNotFoundError, ImportError, RuntimeError, ValueError) as e:
+            raise TrainError(str(e)) from e
+        report = run.shared.get("data_report")
+        if report is not None and report.skipped:
+            print(f"data: {report.summary()}", file=sys.stderr, flush=True)
         try:
             await run.controller.run(resolved.cfg.run.steps)
+        except RuntimeError as e:
+            raise TrainError(str(e)) from e
         finally:
             run.events.write_jsonl(run_dir / "events.jsonl")
             run.events.write_chrome_trace(run_dir / "trace.json")
+            await close_run(run)
 
     asyncio.run(main())
     return run_dir
@@ -47,11 +106,12 @@ def train(resolved: ResolvedConfig) -> Path:
 
 def _print_progress(row: dict) -> None:
     reward = row.get("reward_mean")
-    versions = sorted(set(row.get("replica_versions", {}).values()))
+    versions = ",".join(f"{k}:{v}" for k, v in sorted(row.get("replica_versions", {}).items()))
     print(
         f"step {row['step']:>4}  version {row['weight_version']:>4}  "
         f"reward {'-' if reward is None else f'{reward:.3f}'}  "
-        f"{row['samples_per_second']:.1f} samples/s  staleness max {row['staleness_max']}  "
-        f"replica versions {versions}",
+        f"{row['samples_per_second']:.1f} samples/s  {row['tokens_per_second']:.0f} tok/s  "
+        f"staleness max {row['staleness_max']}  replicas [{versions}]  "
+        f"{row['wall_seconds']:.0f}s",
         flush=True,
     )

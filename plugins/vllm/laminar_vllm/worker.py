@@ -18,4 +18,20 @@ class WeightLoader:
 
         tensors = load_file(path)
         self.reload_weights(weights_iterator=iter(tensors.items()))
+        self._laminar_retie(tensors)
         return len(tensors)
+
+    def _laminar_retie(self, tensors: dict) -> None:
+        """Tied input/output embeddings: the LM head shares the embedding's weight, so
+        vLLM's layer-wise reload sees no weights of its own for it and puts back the kernel
+        tensors it derived at start-up (on CPU, a re-packed copy of the *old* embedding).
+        Re-derive them from the new weight; without this, log-probs drift from the trainer's.
+        """
+        hf = self.model_runner.model_config.hf_config
+        text = getattr(hf, "get_text_config", lambda: hf)()
+        if not getattr(text, "tie_word_embeddings", False) or "lm_head.weight" in tensors:
+            return
+        head = getattr(self.model_runner.get_model(), "lm_head", None)
+        method = getattr(head, "quant_method", None)
+        if method is not None:
+            method.process_weights_after_loading(head)

@@ -1,0 +1,200 @@
+"""The Ray runtime (``runtime.kind: ray``): trainer ranks and rollout replicas as Ray actors.
+
+With no ``runtime.address`` a local cluster starts in this process (``ray.init()``: the
+embedded default, one laptop or CI); ``auto`` or ``ray://host:port`` joins a running one.
+One placement group reserves a bundle per trainer rank and per replica (CPUs/GPUs from
+``runtime.*``). The driver runs the controller, the rollout manager, the buffers and one
+node relay per Ray node that hosts replicas, and talks to the actors through the proxies in
+``runtime.proxies``: the loop code is the same one the local runtime and the simulator run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from pathlib import Path
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from laminar_core.config.loader import ResolvedConfig, make_schedule
+from laminar_core.plugins import PluginManager, default_manager
+from laminar_core.runtime.hosts import RolloutHost, TrainerHost
+from laminar_core.runtime.local import LocalRun, assemble
+from laminar_core.runtime.placement import Placement, plan_placement
+from laminar_core.runtime.proxies import RayRolloutEngine, RayTrainerGroup
+from laminar_core.tasks import build_prompts, build_reward
+
+log = logging.getLogger(__name__)
+
+# Threads per actor process: two engines sharing a core each must not spawn a pool per core.
+WORKER_ENV = {
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "HF_HUB_OFFLINE": "1",
+}
+
+
+class RuntimeStartError(RuntimeError):
+    """The cluster could not host the run (resources, an actor that failed to start)."""
+
+
+def init_ray(resolved: ResolvedConfig, needed_cpus: float) -> None:
+    """Join ``runtime.address`` or start a local cluster sized for the run (idempotent)."""
+    if ray.is_initialized():
+        return
+    rt = resolved.cfg.runtime
+    env = {k: os.environ.get(k, v) for k, v in WORKER_ENV.items()}
+    kwargs = {"runtime_env": {"env_vars": env}, "logging_level": logging.WARNING}
+    if rt.address:
+        ray.init(address=rt.address, **kwargs)
+    else:
+        cpus = rt.num_cpus or max(int(needed_cpus + 0.999), os.cpu_count() or 1)
+        ray.init(num_cpus=cpus, include_dashboard=False, **kwargs)
+
+
+def _bundle(cpus: float, gpus: float) -> dict[str, float]:
+    return {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
+
+
+def load_tokenizer(resolved: ResolvedConfig):
+    """The model's tokenizer (prompts are tokenised and rewards decoded in the driver)."""
+    path = resolved.cfg.model.path
+    if not path or not (Path(path).expanduser() / "config.json").is_file():
+        raise FileNotFoundError(
+            f"model.path {path!r} is not a model directory (no config.json). Point model.path "
+            "at a local Hugging Face model, or build a tiny one with `laminar tiny-model DIR`."
+        )
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(Path(path).expanduser()))
+
+
+async def build_ray_run(
+    resolved: ResolvedConfig,
+    run_dir: Path | None = None,
+    pm: PluginManager | None = None,
+    schedule_spec: str | None = None,
+) -> LocalRun:
+    """Start the actors, set the trainer group up, and wire the loop around them.
+
+    Call ``await shutdown_ray_run(run)`` when done (it kills the actors and frees the
+    placement group; the cluster itself stays up for the next run).
+    """
+    pm = pm or default_manager()
+    cfg, rt = resolved.cfg, resolved.cfg.runtime
+    schedule = make_schedule(schedule_spec or cfg.schedule, cfg, pm)
+    place = plan_placement(cfg, schedule)
+    world = cfg.cluster.trainer_gpus if place.colocated else place.trainer_gpus
+    needed = world * rt.cpus_per_trainer + place.replicas * rt.cpus_per_replica
+    tokenizer = load_tokenizer(resolved)
+    dataset, report = build_prompts(resolved, tokenizer, pm)
+    reward_fn = build_reward(resolved, tokenizer, pm)
+    init_ray(resolved, needed)
+
+    bundles = [_bundle(rt.cpus_per_trainer, rt.gpus_per_trainer)] * world + [
+        _bundle(rt.cpus_per_replica, rt.gpus_per_replica)
+    ] * place.replicas
+    pg = placement_group(bundles, strategy=rt.placement_strategy)
+    try:
+        await _with_timeout(pg.ready(), rt.start_timeout_s)
+    except TimeoutError as e:
+        remove_placement_group(pg)
+        gpus = world * rt.gpus_per_trainer + place.replicas * rt.gpus_per_replica
+        raise RuntimeStartError(
+            f"the Ray cluster cannot place {world} trainer rank(s) and {place.replicas} "
+            f"replica(s) ({needed:g} CPUs, {gpus:g} GPUs) within {rt.start_timeout_s:g}s; "
+            f"available: {ray.available_resources()}. "
+            "Lower cluster.gpus / runtime.cpus_per_* or add nodes."
+        ) from e
+
+    def at(i: int) -> PlacementGroupSchedulingStrategy:
+        return PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)
+
+    config_yaml = resolved.to_yaml()
+    trainer_actor = ray.remote(TrainerHost)
+    trainers = [
+        trainer_actor.options(
+            num_cpus=rt.cpus_per_trainer, num_gpus=rt.gpus_per_trainer, scheduling_strategy=at(r)
+        ).remote(config_yaml, r, world, cfg.cluster.gpus_per_replica)
+        for r in range(world)
+    ]
+    rollout_actor = ray.remote(RolloutHost)
+    replicas = [
+        rollout_actor.options(
+            num_cpus=rt.cpus_per_replica,
+            num_gpus=rt.gpus_per_replica,
+            scheduling_strategy=at(world + i),
+            max_concurrency=1 << 16,  # one generate call per in-flight trajectory
+        ).remote(config_yaml, i, f"r{i}", cfg.cluster.gpus_per_replica)
+        for i in range(place.replicas)
+    ]
+    try:
+        nodes = await _with_timeout(
+            _gather_refs([h.node_id.remote() for h in replicas]), rt.start_timeout_s
+        )
+        init = await trainers[0].rendezvous.remote()
+    except Exception as e:
+        _kill(trainers + replicas, pg)
+        raise RuntimeStartError(f"an actor failed to start: {e}") from e
+    relay_of = {n: i for i, n in enumerate(dict.fromkeys(nodes))}
+    place = Placement(
+        place.trainer_gpus,
+        place.rollout_gpus,
+        place.replicas,
+        len(relay_of),
+        tuple(relay_of[n] for n in nodes),
+        place.colocated,
+    )
+    group = RayTrainerGroup(trainers, init, {"seed": cfg.run.seed})
+    engines = [RayRolloutEngine(f"r{i}", h) for i, h in enumerate(replicas)]
+    try:
+        await group.setup()
+    except Exception as e:
+        _kill(trainers + replicas, pg)
+        raise RuntimeStartError(f"the trainer group failed to start: {e}") from e
+    run = assemble(
+        resolved,
+        schedule,
+        place,
+        [group],
+        engines,
+        pm,
+        {"ray": {"actors": trainers + replicas, "pg": pg}, "data_report": report},
+        dataset=dataset,
+        run_dir=run_dir,
+        reward_fn=reward_fn,
+    )
+    return run
+
+
+def shutdown_ray_run(run: LocalRun) -> None:
+    got = run.shared.get("ray")
+    if got:
+        _kill(got["actors"], got["pg"])
+
+
+def _kill(actors: list, pg) -> None:
+    for a in actors:
+        with contextlib.suppress(Exception):  # already gone
+            ray.kill(a)
+    with contextlib.suppress(Exception):
+        remove_placement_group(pg)
+
+
+async def _gather_refs(refs: list) -> list:
+    import asyncio
+
+    return list(await asyncio.gather(*refs))
+
+
+async def _with_timeout(aw, seconds: float):
+    import asyncio
+
+    try:
+        return await asyncio.wait_for(aw, seconds)
+    except asyncio.TimeoutError as e:
+        raise TimeoutError(str(e)) from e
