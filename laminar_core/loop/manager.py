@@ -346,6 +346,8 @@ class RolloutManager:
         slot.updating = True
         self._close(slot.replica_id)
         t0 = self.now()
+        # what the other replicas are generating meanwhile: nobody waits for this pull
+        others = sum(len(s.inflight) for s in self.slots if s is not slot and s.alive)
         data = slot.relay.read()
         try:
             await slot.engine.update_weights(data.version, unpack(data.manifest, data.buckets))
@@ -361,6 +363,7 @@ class RolloutManager:
             slot.replica_id,
             duration=self.now() - t0,
             version=data.version,
+            others_inflight=others,
         )
         if slot.relay.version > slot.version:
             slot.wake.set()  # an even newer one arrived meanwhile

@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 
 _SHM = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
 _ABORT_WAIT_S = 30.0  # how long abort waits for vLLM to hand back an aborted request
+# Timings use the monotonic clock: the one the driver's event loop reads (on one node).
 
 
 @dataclass
@@ -196,7 +197,7 @@ class VLLMRolloutEngine(RolloutEngine):
             prefix,
             list(resume.logprobs) if resume else [],
             versions,
-            time.time(),
+            time.monotonic(),
         )
         s = request.sampling
         remaining = s.max_tokens - len(prefix)
@@ -256,7 +257,7 @@ class VLLMRolloutEngine(RolloutEngine):
             versions=versions,
             replicas=[self.replica_id],
             start_time=live.start,
-            finish_time=time.time(),
+            finish_time=time.monotonic(),
             metadata=meta,
         )
 
