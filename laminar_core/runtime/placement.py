@@ -19,11 +19,14 @@ class Placement:
     colocated: bool
 
 
-def plan_placement(cfg: LaminarConfig, schedule: Schedule) -> Placement:
+def plan_placement(
+    cfg: LaminarConfig, schedule: Schedule, allow_colocate: bool = True
+) -> Placement:
     """Disaggregated by default; ``sync`` with ``cluster.colocate_sync`` time-shares every
-    GPU between rollout and training, as verl's hybrid engine does."""
+    GPU between rollout and training, as verl's hybrid engine does. Real runtimes pass
+    ``allow_colocate=False``: their engines do not offload to share a device."""
     c = cfg.cluster
-    colocated = schedule.name == "sync" and c.colocate_sync
+    colocated = allow_colocate and schedule.name == "sync" and c.colocate_sync
     trainer = c.gpus if colocated else c.trainer_gpus
     rollout = c.gpus if colocated else c.gpus - c.trainer_gpus
     replicas = rollout // c.gpus_per_replica

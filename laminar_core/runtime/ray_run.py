@@ -87,8 +87,9 @@ async def build_ray_run(
     pm = pm or default_manager()
     cfg, rt = resolved.cfg, resolved.cfg.runtime
     schedule = make_schedule(schedule_spec or cfg.schedule, cfg, pm)
-    place = plan_placement(cfg, schedule)
-    world = cfg.cluster.trainer_gpus if place.colocated else place.trainer_gpus
+    # real engines do not offload to time-share a device: every schedule is disaggregated
+    place = plan_placement(cfg, schedule, allow_colocate=False)
+    world = place.trainer_gpus
     needed = world * rt.cpus_per_trainer + place.replicas * rt.cpus_per_replica
     tokenizer = load_tokenizer(resolved)
     dataset, report = build_prompts(resolved, tokenizer, pm)
