@@ -16,7 +16,7 @@ from typing import Any
 
 import ray
 import torch
-from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
 
 from laminar_core.interfaces import ReplicaFailure, RolloutEngine, TrainerContext, TrainerEngine
 from laminar_core.types import (
@@ -40,6 +40,14 @@ class RayRolloutEngine(RolloutEngine):
             return await self.handle.call.remote(method, *args)
         except _GONE as e:
             raise ReplicaFailure(f"replica {self.replica_id}: actor gone ({e})") from e
+        except RayTaskError as e:
+            raise _cause(e) from None
+
+
+def _cause(e: RayTaskError) -> BaseException:
+    """The engine's own exception, so messages name the cause, not Ray's wrapper."""
+    cause = getattr(e, "cause", None)
+    return cause if isinstance(cause, BaseException) else e
 
     async def start(self) -> None:
         await self._call("start")
@@ -77,12 +85,18 @@ class RayTrainerGroup(TrainerEngine):
         self.options = options
 
     async def _all(self, method: str, *args: Any) -> list[Any]:
-        return await asyncio.gather(*(h.call.remote(method, *args) for h in self.handles))
+        try:
+            return await asyncio.gather(*(h.call.remote(method, *args) for h in self.handles))
+        except RayTaskError as e:
+            raise _cause(e) from None
 
     async def setup(self, ctx: TrainerContext | None = None) -> None:
-        await asyncio.gather(
-            *(h.setup.remote(self.init_method, self.options) for h in self.handles)
-        )
+        try:
+            await asyncio.gather(
+                *(h.setup.remote(self.init_method, self.options) for h in self.handles)
+            )
+        except RayTaskError as e:
+            raise _cause(e) from None
 
     async def compute_logprobs(self, batch: TrainBatch) -> list[list[float]]:
         ref = ray.put(batch)

@@ -43,6 +43,22 @@ def make_run_dir(resolved: ResolvedConfig) -> Path:
     return run_dir
 
 
+def check_model_path(resolved: ResolvedConfig) -> None:
+    """Engines other than ``sim`` load ``model.path``: fail before any actor starts."""
+    cfg = resolved.cfg
+    if cfg.rollout.engine == "sim" and cfg.trainer.engine == "sim":
+        return
+    path = Path(cfg.model.path).expanduser()
+    if not cfg.model.path or not (path / "config.json").is_file():
+        why = "is not set" if not cfg.model.path else f"{cfg.model.path!r} has no config.json"
+        if cfg.model.path and not path.exists():
+            why = f"{cfg.model.path!r} does not exist"
+        raise TrainError(
+            f"model.path {why}: point it at a local Hugging Face model directory, or build "
+            f"the tiny one with `laminar tiny-model {cfg.model.path or 'runs/tiny-qwen2'}`"
+        )
+
+
 async def start_run(resolved: ResolvedConfig, run_dir: Path | None) -> LocalRun:
     """Build the run for ``runtime.kind`` and set its trainer up (not started yet)."""
     cfg = resolved.cfg
@@ -80,6 +96,7 @@ def train(resolved: ResolvedConfig) -> Path:
 
     Raises ``TrainError`` with the cause when the run cannot start or breaks.
     """
+    check_model_path(resolved)
     run_dir = make_run_dir(resolved)
     print(f"run directory: {run_dir}", flush=True)
 
@@ -87,14 +104,14 @@ def train(resolved: ResolvedConfig) -> Path:
         try:
             run = await start_run(resolved, run_dir)
         except (FileNotFoundError, ImportError, RuntimeError, ValueError) as e:
-            raise TrainError(str(e)) from e
+            raise TrainError(f"the run could not start: {type(e).__name__}: {e}") from e
         report = run.shared.get("data_report")
         if report is not None and report.skipped:
             print(f"data: {report.summary()}", file=sys.stderr, flush=True)
         try:
             await run.controller.run(resolved.cfg.run.steps)
-        except RuntimeError as e:
-            raise TrainError(str(e)) from e
+        except (RuntimeError, ValueError) as e:
+            raise TrainError(f"the run stopped: {type(e).__name__}: {e}") from e
         finally:
             run.events.write_jsonl(run_dir / "events.jsonl")
             run.events.write_chrome_trace(run_dir / "trace.json")

@@ -194,7 +194,7 @@ class VLLMRolloutEngine(RolloutEngine):
         live = _Live(
             request,
             f"{tid}#{next(self._ids)}",  # a resumed trajectory is a new vLLM request
-            prefix,
+            list(prefix),
             list(resume.logprobs) if resume else [],
             versions,
             time.monotonic(),

