@@ -109,7 +109,8 @@ def train(resolved: ResolvedConfig) -> Path:
         if report is not None and report.skipped:
             print(f"data: {report.summary()}", file=sys.stderr, flush=True)
         try:
-            await run.controller.run(resolved.cfg.run.steps)
+            records = await run.controller.run(resolved.cfg.run.steps)
+            print(_summary(records), flush=True)
         except (RuntimeError, ValueError) as e:
             raise TrainError(f"the run stopped: {type(e).__name__}: {e}") from e
         finally:
@@ -119,6 +120,16 @@ def train(resolved: ResolvedConfig) -> Path:
 
     asyncio.run(main())
     return run_dir
+
+
+def _summary(records: list) -> str:
+    """One line: how the reward moved over the run (first vs last few steps)."""
+    rewards = [r.reward_mean for r in records if r.reward_mean is not None]
+    if not rewards:
+        return f"{len(records)} steps"
+    k = max(1, min(5, len(rewards) // 4))
+    first, last = sum(rewards[:k]) / k, sum(rewards[-k:]) / k
+    return f"{len(records)} steps; reward_mean {first:.3f} (first {k}) -> {last:.3f} (last {k})"
 
 
 def _print_progress(row: dict) -> None:
