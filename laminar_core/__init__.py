@@ -16,7 +16,7 @@ from laminar_core.interfaces import (
     TransportError,
     WeightTransport,
 )
-from laminar_core.models import build_tiny_model
+from laminar_core.models import build_tiny_model, model_dir
 from laminar_core.plugins import hookimpl
 from laminar_core.relay import WeightIntegrityError, unpack
 from laminar_core.relay.packing import checksum as bucket_checksum
@@ -81,5 +81,6 @@ __all__ = [
     "encode_bucket_header",
     "hookimpl",
     "load_config",
+    "model_dir",
     "unpack",
 ]

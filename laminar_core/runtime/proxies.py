@@ -43,12 +43,6 @@ class RayRolloutEngine(RolloutEngine):
         except RayTaskError as e:
             raise _cause(e) from None
 
-
-def _cause(e: RayTaskError) -> BaseException:
-    """The engine's own exception, so messages name the cause, not Ray's wrapper."""
-    cause = getattr(e, "cause", None)
-    return cause if isinstance(cause, BaseException) else e
-
     async def start(self) -> None:
         await self._call("start")
 
@@ -120,3 +114,9 @@ class RayTrainerGroup(TrainerEngine):
 
     async def close(self) -> None:
         await self._all("close")
+
+
+def _cause(e: RayTaskError) -> BaseException:
+    """The engine's own exception, so messages name the cause, not Ray's wrapper."""
+    cause = getattr(e, "cause", None)
+    return cause if isinstance(cause, BaseException) else e

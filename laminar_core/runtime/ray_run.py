@@ -20,6 +20,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from laminar_core.config.loader import ResolvedConfig, make_schedule
+from laminar_core.models import model_dir
 from laminar_core.plugins import PluginManager, default_manager
 from laminar_core.runtime.hosts import RolloutHost, TrainerHost
 from laminar_core.runtime.local import LocalRun, assemble
@@ -62,15 +63,10 @@ def _bundle(cpus: float, gpus: float) -> dict[str, float]:
 
 def load_tokenizer(resolved: ResolvedConfig):
     """The model's tokenizer (prompts are tokenised and rewards decoded in the driver)."""
-    path = resolved.cfg.model.path
-    if not path or not (Path(path).expanduser() / "config.json").is_file():
-        raise FileNotFoundError(
-            f"model.path {path!r} is not a model directory (no config.json). Point model.path "
-            "at a local Hugging Face model, or build a tiny one with `laminar tiny-model DIR`."
-        )
+    path = model_dir(resolved.cfg.model.path, "tokenizer")
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(Path(path).expanduser()))
+    return AutoTokenizer.from_pretrained(str(path))
 
 
 async def build_ray_run(

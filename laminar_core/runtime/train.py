@@ -22,6 +22,7 @@ from pathlib import Path
 
 from laminar_core.config.loader import ResolvedConfig
 from laminar_core.interfaces import TrainerContext
+from laminar_core.models import model_dir
 from laminar_core.runtime.local import LocalRun, build_local_run
 from laminar_core.telemetry import TENSORBOARD_DIR, TensorBoardSink
 
@@ -48,15 +49,10 @@ def check_model_path(resolved: ResolvedConfig) -> None:
     cfg = resolved.cfg
     if cfg.rollout.engine == "sim" and cfg.trainer.engine == "sim":
         return
-    path = Path(cfg.model.path).expanduser()
-    if not cfg.model.path or not (path / "config.json").is_file():
-        why = "is not set" if not cfg.model.path else f"{cfg.model.path!r} has no config.json"
-        if cfg.model.path and not path.exists():
-            why = f"{cfg.model.path!r} does not exist"
-        raise TrainError(
-            f"model.path {why}: point it at a local Hugging Face model directory, or build "
-            f"the tiny one with `laminar tiny-model {cfg.model.path or 'runs/tiny-qwen2'}`"
-        )
+    try:
+        model_dir(cfg.model.path, "laminar train")
+    except FileNotFoundError as e:
+        raise TrainError(str(e)) from None
 
 
 async def start_run(resolved: ResolvedConfig, run_dir: Path | None) -> LocalRun:

@@ -23,7 +23,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from laminar_core import BuildContext, TrainBatch, TrainerContext, TrainerEngine, Trajectory
+from laminar_core import (
+    BuildContext,
+    TrainBatch,
+    TrainerContext,
+    TrainerEngine,
+    Trajectory,
+    model_dir,
+)
 from laminar_core.algorithms import compute_advantages, policy_loss
 from laminar_fsdp.batching import (
     MicroBatch,
@@ -70,13 +77,7 @@ class FSDPTrainerEngine(TrainerEngine):
         from transformers import AutoModelForCausalLM
 
         self.rank, self.world, self.algo = ctx.rank, ctx.world_size, ctx.algorithm
-        path = Path(self.cfg.model.path).expanduser()
-        if not self.cfg.model.path or not (path / "config.json").is_file():
-            raise FileNotFoundError(
-                f"trainer rank {self.rank}: model.path {self.cfg.model.path!r} is not a model "
-                "directory (no config.json). Point model.path at a local Hugging Face model, "
-                "or build a tiny one with `laminar tiny-model DIR`."
-            )
+        path = model_dir(self.cfg.model.path, f"trainer rank {self.rank}")
         cuda = torch.cuda.is_available() and self.opt.backend != "gloo"
         backend = "nccl" if cuda else "gloo"
         if cuda:

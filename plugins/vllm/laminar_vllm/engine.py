@@ -38,6 +38,7 @@ from laminar_core import (
     ReplicaFailure,
     RolloutEngine,
     Trajectory,
+    model_dir,
 )
 from laminar_vllm.options import VLLMOptions
 
@@ -98,13 +99,7 @@ class VLLMRolloutEngine(RolloutEngine):
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
-        path = Path(self.model_path).expanduser()
-        if not self.model_path or not (path / "config.json").is_file():
-            raise FileNotFoundError(
-                f"rollout replica {self.replica_id}: model.path {self.model_path!r} is not a "
-                "model directory (no config.json). Point model.path at a local Hugging Face "
-                "model, or build a tiny one with `laminar tiny-model DIR`."
-            )
+        path = model_dir(self.model_path, f"rollout replica {self.replica_id}")
         os.environ.setdefault("VLLM_LOGGING_LEVEL", self.opt.log_level)
         try:
             from vllm.engine.arg_utils import AsyncEngineArgs
