@@ -522,6 +522,8 @@ class RolloutManager:
         if not slot.alive:
             return
         slot.alive = False
+        if self._stopping:  # engines shutting down under in-flight calls: not a failure
+            return
         self._close(slot.replica_id)
         slot.wake.set()
         self.failed_replicas.append(slot.replica_id)
