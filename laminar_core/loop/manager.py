@@ -519,11 +519,10 @@ class RolloutManager:
 
     def _replica_failed(self, slot: ReplicaSlot, reason: str) -> None:
         """Mark ``slot`` dead and redirect its in-flight trajectories (idempotent)."""
-        if not slot.alive:
+        # while stopping, engines shut down under in-flight calls: not a failure
+        if not slot.alive or self._stopping:
             return
         slot.alive = False
-        if self._stopping:  # engines shutting down under in-flight calls: not a failure
-            return
         self._close(slot.replica_id)
         slot.wake.set()
         self.failed_replicas.append(slot.replica_id)
