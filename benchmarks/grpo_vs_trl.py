@@ -17,11 +17,14 @@ rows from a ``TrainerCallback``), timestamped by this script as the rows arrive:
 
 - ``samples/s``: completions trained on over the loop time of the steps after the first
   ``WARMUP`` (2) steps, i.e. the time-weighted mean of the per-step rates;
-- ``start-up s``: process start -> training loop start (imports, model load; for our arms Ray,
-  actors, vLLM engines); ``first step s``: loop start -> end of step 0;
+- ``start-up s``: process start -> end of step 0, as this script's clock saw the row arrive:
+  imports, model load, and for our arms Ray, actors and the vLLM engines (which start inside
+  ``Controller.run``, so our own ``wall_seconds`` counts them), plus the first batch and update;
+  ``loop start s`` (JSON only): process start -> where each arm's own loop clock starts;
 - ``to target``: the first step at which the mean reward of the last ``WINDOW`` (5) steps is
-  >= ``--target``; seconds from loop start (``loop``) and from process start (``incl.
-  start-up``), and the number of steps; ``>cap`` when the arm never got there;
+  >= ``--target``; seconds after step 0 (``loop``: steady state, no start-up in it) and from
+  process start (``incl. start-up`` = start-up + loop), and the number of steps (step 0
+  counts); ``>cap`` when the arm never got there;
 - ``final reward``: mean reward of the last ``WINDOW`` steps.
 
 Each arm stops at ``--max-steps`` or, killed with SIGINT, at ``--arm-cap`` seconds of process
@@ -229,9 +232,62 @@ def _cmd(arm: str, model_dir: Path, work: Path, max_steps: int) -> tuple[list[st
     return cmd, env
 
 
+class _Others:
+    """CPU seconds used, while an arm runs, by processes outside it and outside this script.
+
+    The arm runs in its own session (``start_new_session``), so its Ray daemons, actors and
+    vLLM workers share the session id of its first process; anything else that burns CPU
+    (another job on the machine) skews the figures and is reported.
+    """
+
+    def __init__(self) -> None:
+        self.first: dict[int, float] = {}
+        self.last: dict[int, tuple[str, float]] = {}
+        self.next_at = 0.0
+        self.sampled = False
+        self.mine = os.getsid(0)
+
+    def sample(self, arm_sid: int) -> None:
+        if time.monotonic() < self.next_at:
+            return
+        self.next_at = time.monotonic() + 2.0
+        tick = os.sysconf("SC_CLK_TCK")
+        for d in os.listdir("/proc"):
+            if not d.isdigit():
+                continue
+            try:
+                raw = Path(f"/proc/{d}/stat").read_text()
+            except OSError:
+                continue
+            name, rest = raw[raw.index("(") + 1 : raw.rindex(")")], raw[raw.rindex(")") + 2 :]
+            f = rest.split()
+            if int(f[3]) in (arm_sid, self.mine):  # f[3]: session id
+                continue
+            cpu = (int(f[11]) + int(f[12])) / tick  # utime + stime
+            pid = int(d)
+            # a process first seen after the first sample started during the arm: from 0
+            self.first.setdefault(pid, 0.0 if self.sampled else cpu)
+            self.last[pid] = (name, cpu)
+        self.sampled = True
+
+    def _used(self) -> dict[str, float]:
+        used: dict[str, float] = {}
+        for pid, (name, cpu) in self.last.items():
+            used[name] = used.get(name, 0.0) + cpu - self.first[pid]
+        return used
+
+    def total(self) -> float:
+        return round(sum(self._used().values()), 1)
+
+    def top(self) -> str:
+        used = sorted(self._used().items(), key=lambda kv: -kv[1])[:3]
+        return ", ".join(f"{n} {c:.0f} s" for n, c in used if c >= 0.5) or "none"
+
+
 def run_arm(arm: str, model_dir: Path, work: Path, max_steps: int, cap_s: float) -> dict:
     """Run one arm to completion (or to ``cap_s``); rows with their arrival times."""
     cmd, env = _cmd(arm, model_dir, work, max_steps)
+    others = _Others()
     log_path = work / f"{arm}.log"
     run_dir: list[Path] = []
     t0 = time.monotonic()
@@ -261,6 +317,7 @@ def run_arm(arm: str, model_dir: Path, work: Path, max_steps: int, cap_s: float)
     fh = None
     while True:
         done = proc.poll() is not None
+        others.sample(proc.pid)
         if fh is None and run_dir and (ROOT / run_dir[0] / "metrics.jsonl").exists():
             fh = (ROOT / run_dir[0] / "metrics.jsonl").open()
         if fh is not None:
@@ -290,6 +347,11 @@ def run_arm(arm: str, model_dir: Path, work: Path, max_steps: int, cap_s: float)
     if fh is not None:
         fh.close()
     total = time.monotonic() - t0
+    if others.total() > 0.05 * total:
+        say(
+            f"    warning: other processes used {others.total():.0f} CPU s during {arm}: "
+            f"{others.top()}; its figures are skewed"
+        )
     if proc.returncode not in (0, None) and not capped:
         tail = log_path.read_text().splitlines()[-15:]
         say(f"    {arm} exited with {proc.returncode}; last lines of {log_path}:")
@@ -302,6 +364,8 @@ def run_arm(arm: str, model_dir: Path, work: Path, max_steps: int, cap_s: float)
         "returncode": proc.returncode,
         "process_seconds": total,
         "log": str(log_path),
+        "other_cpu_seconds": others.total(),
+        "other_cpu_top": others.top(),
     }
 
 
@@ -314,12 +378,14 @@ def summarise(res: dict, target: float) -> dict:
         "capped": res["capped"],
         "returncode": res["returncode"],
         "process_seconds": round(res["process_seconds"], 1),
+        "other_cpu_seconds": res["other_cpu_seconds"],
+        "other_cpu_top": res["other_cpu_top"],
     }
     if not rows:
         return out
-    start = rows[0]["arrival_seconds"] - rows[0]["wall_seconds"]
+    start = rows[0]["arrival_seconds"]  # process start -> end of step 0
     out["startup_seconds"] = round(start, 1)
-    out["first_step_seconds"] = round(rows[0]["wall_seconds"], 1)
+    out["loop_start_seconds"] = round(start - rows[0]["wall_seconds"], 1)
     if len(rows) > WARMUP:
         timed = rows[WARMUP:]
         span = timed[-1]["wall_seconds"] - rows[WARMUP - 1]["wall_seconds"]
@@ -329,9 +395,10 @@ def summarise(res: dict, target: float) -> dict:
     out["target"] = target
     for i in range(WINDOW - 1, len(rows)):
         if sum(rewards[i - WINDOW + 1 : i + 1]) / WINDOW >= target:
+            loop = rows[i]["wall_seconds"] - rows[0]["wall_seconds"]
             out["steps_to_target"] = i + 1
-            out["seconds_to_target_loop"] = round(rows[i]["wall_seconds"], 1)
-            out["seconds_to_target_total"] = round(start + rows[i]["wall_seconds"], 1)
+            out["seconds_to_target_loop"] = round(loop, 1)
+            out["seconds_to_target_total"] = round(start + loop, 1)
             break
     return out
 
@@ -409,7 +476,6 @@ def main() -> None:
                     s["arm"],
                     _fmt(s.get("samples_per_second")),
                     _fmt(s.get("startup_seconds")),
-                    _fmt(s.get("first_step_seconds")),
                     _fmt(s.get("seconds_to_target_loop"), missing=">cap"),
                     _fmt(s.get("seconds_to_target_total"), missing=">cap"),
                     _fmt(s.get("steps_to_target"), "d", ">cap"),
@@ -421,9 +487,8 @@ def main() -> None:
             [
                 "arm",
                 "samples/s",
-                "start-up s",
-                "first step s",
-                "s to target (loop)",
+                "start-up s (to end of step 0)",
+                "s to target (loop, after step 0)",
                 "s to target (incl. start-up)",
                 "steps to target",
                 "steps run",

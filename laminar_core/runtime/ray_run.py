@@ -10,6 +10,7 @@ node relay per Ray node that hosts replicas, and talks to the actors through the
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -116,7 +117,7 @@ async def build_ray_run(
     trainers = [
         trainer_actor.options(
             num_cpus=rt.cpus_per_trainer, num_gpus=rt.gpus_per_trainer, scheduling_strategy=at(r)
-        ).remote(config_yaml, r, world, cfg.cluster.gpus_per_replica)
+        ).remote(config_yaml, r, world, int(rt.gpus_per_trainer))
         for r in range(world)
     ]
     rollout_actor = ray.remote(RolloutHost)
@@ -131,7 +132,7 @@ async def build_ray_run(
     ]
     try:
         nodes = await _with_timeout(
-            _gather_refs([h.node_id.remote() for h in replicas]), rt.start_timeout_s
+            asyncio.gather(*(h.node_id.remote() for h in replicas)), rt.start_timeout_s
         )
         init = await trainers[0].rendezvous.remote()
     except Exception as e:
@@ -182,15 +183,7 @@ def _kill(actors: list, pg) -> None:
         remove_placement_group(pg)
 
 
-async def _gather_refs(refs: list) -> list:
-    import asyncio
-
-    return list(await asyncio.gather(*refs))
-
-
 async def _with_timeout(aw, seconds: float):
-    import asyncio
-
     try:
         return await asyncio.wait_for(aw, seconds)
     except asyncio.TimeoutError as e:
