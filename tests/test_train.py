@@ -43,3 +43,62 @@ def test_train_writes_run_directory(tmp_path: Path, capsys) -> None:
     trace = json.loads((run_dir / "trace.json").read_text())
     names = {e["name"] for e in trace["traceEvents"]}
     assert {"trajectory", "train_step", "weight_push"} <= names
+
+
+def _checkpoints(tmp_path: Path, every: int, steps: int) -> list[str]:
+    rc = main(
+        [
+            "train",
+            str(ROOT / "examples/train_sim_tiny.yaml"),
+            f"run.out_dir={tmp_path}",
+            f"run.steps={steps}",
+            f"run.checkpoint_every={every}",
+            "telemetry.progress=false",
+        ]
+    )
+    assert rc == 0
+    (run_dir,) = list(tmp_path.iterdir())
+    ckpts = run_dir / "checkpoints"
+    return sorted(p.name for p in ckpts.iterdir()) if ckpts.is_dir() else []
+
+
+def test_checkpoint_every_n_steps_and_at_the_end(tmp_path: Path) -> None:
+    assert _checkpoints(tmp_path, 2, 5) == ["latest", "step_000002", "step_000004", "step_000005"]
+
+
+def test_checkpoint_every_minus_one_writes_none(tmp_path: Path) -> None:
+    assert _checkpoints(tmp_path, -1, 3) == []
+
+
+def test_resume_from_a_sim_run_continues_at_its_step(tmp_path: Path, capsys) -> None:
+    first = tmp_path / "a"
+    _checkpoints(first, 2, 2)
+    (run_dir,) = list(first.iterdir())
+    rc = main(
+        [
+            "train",
+            str(ROOT / "examples/train_sim_tiny.yaml"),
+            f"run.out_dir={tmp_path / 'b'}",
+            "run.steps=4",
+            f"run.resume={run_dir}",
+            "telemetry.progress=false",
+        ]
+    )
+    assert rc == 0
+    assert "resumed from" in capsys.readouterr().out
+    (resumed,) = list((tmp_path / "b").iterdir())
+    rows = [json.loads(line) for line in (resumed / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [2, 3]
+
+
+def test_resume_without_a_checkpoint_is_a_clear_error(tmp_path: Path, capsys) -> None:
+    rc = main(
+        [
+            "train",
+            str(ROOT / "examples/train_sim_tiny.yaml"),
+            f"run.out_dir={tmp_path}",
+            f"run.resume={tmp_path / 'nowhere'}",
+        ]
+    )
+    assert rc == 2
+    assert "no checkpoint there" in capsys.readouterr().err

@@ -111,18 +111,19 @@ class Controller:
     async def run(self, steps: int) -> list[StepRecord]:
         """Train until ``steps`` steps are done (counting from ``self.step``)."""
         loop = asyncio.get_running_loop()
-        self.t_start = loop.time()
         await self.relays.open()
         if self._republish:
             await self.relays.publish(self.step, await self._export())
             self._republish = False
         await self.manager.start()
+        # wall_seconds count from here: engines started (vLLM start-up is not loop time)
+        self.t_start = loop.time()
         try:
             while self.step < steps:
                 await self._one_step(loop)
                 every = self.checkpoint_every
                 if self.run_dir is not None and (
-                    (every and self.step % every == 0) or (every >= 0 and self.step == steps)
+                    (every > 0 and self.step % every == 0) or (every >= 0 and self.step == steps)
                 ):
                     await self.save_checkpoint()
         finally:
