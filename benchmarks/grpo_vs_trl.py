@@ -18,8 +18,8 @@ rows from a ``TrainerCallback``), timestamped by this script as the rows arrive:
 - ``samples/s``: completions trained on over the loop time of the steps after the first
   ``WARMUP`` (2) steps, i.e. the time-weighted mean of the per-step rates;
 - ``start-up s``: process start -> end of step 0, as this script's clock saw the row arrive:
-  imports, model load, and for our arms Ray, actors and the vLLM engines (which start inside
-  ``Controller.run``, so our own ``wall_seconds`` counts them), plus the first batch and update;
+  imports, model load, and for our arms Ray, actors and the vLLM engines (our own
+  ``wall_seconds`` starts once the engines are up), plus the first batch and update;
   ``loop start s`` (JSON only): process start -> where each arm's own loop clock starts;
 - ``to target``: the first step at which the mean reward of the last ``WINDOW`` (5) steps is
   >= ``--target``; seconds after step 0 (``loop``: steady state, no start-up in it) and from
