@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from laminar_core import FinishReason, load_config
+from laminar_core import FinishReason, Move, RepackPolicy, ReplicaState, load_config
 
 _missing = [m for m in ("laminar_fsdp", "laminar_vllm", "vllm") if not importlib.util.find_spec(m)]
 if _missing:
@@ -65,9 +65,6 @@ def _config(model: Path, out: Path, *extra: str):
             "rollout.max_tokens=48",
             "repack.interval_s=0.2",
             "repack.batch_limit=64",
-            # one step's prompts at a time: every step ends in a tail on both replicas at one
-            # version, the situation repack exists for
-            "buffer.max_ahead_batches=1",
             "telemetry.progress=false",
             *extra,
         ],
@@ -141,18 +138,6 @@ def test_no_trajectory_lost_or_duplicated(first_run):
     assert len(prompts) == len(set(prompts))
 
 
-def test_repack_moves_trajectories_between_real_replicas(first_run):
-    _, _, run, _ = first_run
-    trajs = [t for b in run.controller.batches for t in b.trajectories]
-    moved = [t for t in trajs if len(set(t.replicas)) > 1]
-    assert run.manager.moved > 0 and moved, "no repack happened in this run"
-    for t in moved:
-        assert t.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
-        assert len(t.logprobs) == len(t.response_ids) == t.num_response_tokens > 0
-        assert len(set(t.versions)) == 1  # one weight version per trajectory, even moved
-        assert t.reward is not None
-
-
 def test_vllm_logprobs_agree_with_the_trainer(first_run):
     _, _, _, run_dir = first_run
     rows = [r for r in _rows(run_dir) if r.get("logprob_diff_tokens")]
@@ -165,32 +150,86 @@ def test_vllm_logprobs_agree_with_the_trainer(first_run):
     assert worst < 1e-3 and mean < 1e-4  # float32 on both sides
 
 
-def test_checkpoint_kill_resume_continues_from_the_saved_step(first_run):
-    model, out, first, first_dir = first_run
+class MoveOnce(RepackPolicy):
+    """Moves every trajectory once onto the other replica of the same version.
+
+    ``best_fit`` decides from KV-use trends that a few-second run of a tiny model (whose
+    responses mostly end together at ``max_tokens``) rarely produces; this policy makes moves
+    certain, and the move itself (abort on one real replica, resume on the other) is the
+    loop's own. ``best_fit``'s choices are unit-tested against Algorithm 1. (It remembers what
+    it moved, so unlike a real policy it is not a pure function of the snapshot.)
+    """
+
+    def __init__(self) -> None:
+        self.moved: set[str] = set()
+
+    def plan(self, replicas: list[ReplicaState]) -> list[Move]:
+        for src in replicas:
+            ids = tuple(t for t in src.traj_ids if t not in self.moved)
+            dst = next(
+                (d for d in replicas if d is not src and d.alive and d.version == src.version),
+                None,
+            )
+            if src.alive and ids and dst is not None:
+                self.moved.update(ids)
+                return [Move(src.replica_id, dst.replica_id, ids)]
+        return []
+
+
+@pytest.fixture(scope="module")
+def resumed_run(first_run):
+    """Crash recovery: a new run from the first run's step-2 checkpoint, to step 5.
+
+    It admits one step's prompts at a time (``buffer.max_ahead_batches=1``): every step then
+    ends in a tail on both replicas at one version, the situation repack exists for, and
+    repack uses ``MoveOnce``. (With the first run's window of 2, replicas stay full and
+    pull while the other generates.)
+    """
+    model, out, _, first_dir = first_run
     ckpt = first_dir / "checkpoints" / "step_000002"
-    resolved = _config(model, out, "run.steps=4", f"run.resume={ckpt}")
+    resolved = _config(
+        model, out, "run.steps=5", f"run.resume={ckpt}", "buffer.max_ahead_batches=1"
+    )
 
     async def go():
         run_dir = make_run_dir(resolved)
         run = await start_run(resolved, run_dir)
         run.controller.keep_batches = True
+        run.manager.repack_policy = MoveOnce()
         assert run.controller.step == 2
         try:
-            await run.controller.run(4)
+            await run.controller.run(5)
         finally:
             await close_run(run)
         return run, run_dir
 
-    run, run_dir = asyncio.run(go())
+    return asyncio.run(go())
+
+
+def test_checkpoint_kill_resume_continues_from_the_saved_step(first_run, resumed_run):
+    first = first_run[2]
+    run, run_dir = resumed_run
     rows = _rows(run_dir)
-    assert [r["step"] for r in rows] == [2, 3]
-    assert [r["weight_version"] for r in rows] == [3, 4]
+    assert [r["step"] for r in rows] == [2, 3, 4]
+    assert [r["weight_version"] for r in rows] == [3, 4, 5]
     # replicas started from the restored version 2, not the base model
     first_versions = {t.version for t in run.controller.batches[0].trajectories}
     assert min(first_versions) >= 2
     # every prompt trained on exactly once across the crash: the first run's steps 0-1 and
-    # the resumed steps 2-3 share no prompt (step 2 of the first run was never saved)
+    # the resumed steps 2-4 share no prompt (step 2 of the first run was never saved)
     before = {g.prompt_index for b in first.controller.batches[:2] for g in b.groups}
-    after = {g.prompt_index for b in run.controller.batches for g in b.groups}
+    after = [g.prompt_index for b in run.controller.batches for g in b.groups]
     assert before.isdisjoint(after)
-    assert len(after) == 2 * 4
+    assert len(after) == len(set(after)) == 3 * 4
+
+
+def test_repack_moves_trajectories_between_real_replicas(resumed_run):
+    run, _ = resumed_run
+    trajs = [t for b in run.controller.batches for t in b.trajectories]
+    moved = [t for t in trajs if len(set(t.replicas)) > 1]
+    assert run.manager.moved > 0 and moved, "no repack happened in this run"
+    for t in moved:
+        assert t.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
+        assert len(t.logprobs) == len(t.response_ids) == t.num_response_tokens > 0
+        assert len(set(t.versions)) == 1  # one weight version per trajectory, even moved
+        assert t.reward is not None
