@@ -29,8 +29,6 @@ from laminar_core.runtime.placement import Placement, plan_placement
 from laminar_core.runtime.proxies import RayRolloutEngine, RayTrainerGroup
 from laminar_core.tasks import build_prompts, build_reward
 
-log = logging.getLogger(__name__)
-
 # Threads per actor process: two engines sharing a core each must not spawn a pool per core.
 WORKER_ENV = {
     "OMP_NUM_THREADS": "1",

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import logging
 import os
 import tempfile
 import time
@@ -41,8 +40,6 @@ from laminar_core import (
     model_dir,
 )
 from laminar_vllm.options import VLLMOptions
-
-log = logging.getLogger(__name__)
 
 _SHM = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
 _ABORT_WAIT_S = 30.0  # how long abort waits for vLLM to hand back an aborted request
