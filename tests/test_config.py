@@ -335,3 +335,12 @@ def test_unknown_data_source_is_a_config_error() -> None:
 def test_unknown_model_dtype_is_a_config_error() -> None:
     msg = err(["model.dtype=bf16"])
     assert "model.dtype" in msg and "did you mean 'bfloat16'" in msg
+
+
+def test_unknown_runtime_kind_is_named_with_a_close_match() -> None:
+    msg = err(["runtime.kind=rayy"])
+    assert "runtime.kind: unknown 'rayy'" in msg and "did you mean 'ray'" in msg
+
+
+def test_negative_runtime_resources_are_refused() -> None:
+    assert "runtime.cpus_per_replica must be >= 0" in err(["runtime.cpus_per_replica=-1"])

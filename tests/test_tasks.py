@@ -355,3 +355,29 @@ def test_bad_data_and_reward_config_is_a_clear_error(overrides, expected) -> Non
     with pytest.raises(ConfigError) as info:
         load_config(None, overrides)
     assert expected in str(info.value) and "\n" not in str(info.value)
+
+
+def test_dataset_columns_do_not_replace_the_loops_own_keys(tmp_path: Path) -> None:
+    """A row with a ``prompt_index`` / ``sample_key`` column keeps the loop's bookkeeping."""
+    path = write_jsonl(
+        tmp_path / "d.jsonl",
+        [
+            json.dumps({"prompt": f"p{i}", "prompt_index": "mine", "sample_key": -1})
+            for i in range(8)
+        ],
+    )
+    resolved = load_config(
+        ROOT / "examples/train_sim_tiny.yaml",
+        ["run.steps=2", "data.source=jsonl", f"data.path={path}"],
+    )
+
+    async def run_it():
+        run = build_local_run(resolved)
+        run.controller.keep_batches = True
+        await run.controller.run(2)
+        return run
+
+    run = asyncio.run(run_it())
+    trajs = [t for b in run.controller.batches for t in b.trajectories]
+    assert trajs and all(isinstance(t.metadata["prompt_index"], int) for t in trajs)
+    assert len({t.metadata["sample_key"] for t in trajs}) == len(trajs)

@@ -268,6 +268,30 @@ def _positive(cfg: LaminarConfig) -> None:
         )
 
 
+RUNTIME_KINDS = ("local", "ray")
+
+
+def _validate_runtime(cfg: LaminarConfig) -> None:
+    rt = cfg.runtime
+    if rt.kind not in RUNTIME_KINDS:
+        hint = difflib.get_close_matches(rt.kind, RUNTIME_KINDS, n=1)
+        extra = f" (did you mean '{hint[0]}'?)" if hint else ""
+        raise ConfigError(
+            f"runtime.kind: unknown '{rt.kind}'{extra}; known: {', '.join(RUNTIME_KINDS)}"
+        )
+    for key, value in [
+        ("runtime.cpus_per_trainer", rt.cpus_per_trainer),
+        ("runtime.cpus_per_replica", rt.cpus_per_replica),
+        ("runtime.gpus_per_trainer", rt.gpus_per_trainer),
+        ("runtime.gpus_per_replica", rt.gpus_per_replica),
+        ("runtime.num_cpus", rt.num_cpus),
+    ]:
+        if value < 0:
+            raise ConfigError(f"{key} must be >= 0 (got {value})")
+    if not rt.start_timeout_s > 0:
+        raise ConfigError(f"runtime.start_timeout_s must be > 0 (got {rt.start_timeout_s})")
+
+
 def _validate_data_reward(cfg: LaminarConfig, pm: PluginManager) -> None:
     """``data.*`` / ``reward.*``: the source's own settings, task and reward names, options.
 
@@ -321,6 +345,7 @@ def validate(cfg: LaminarConfig, pm: PluginManager) -> None:
             f"{_close(cfg.data.source, DATA_SOURCES)}"
         )
     _validate_data_reward(cfg, pm)
+    _validate_runtime(cfg)
     if not isinstance(getattr(torch, cfg.model.dtype, None), torch.dtype):
         raise ConfigError(
             f"model.dtype: '{cfg.model.dtype}' is not a torch dtype; e.g. bfloat16, float16, "

@@ -245,10 +245,10 @@ class RolloutManager:
                 num_prompt_tokens=prompt.num_tokens or len(prompt.ids),
                 sampling=self.opt.sampling,
                 metadata={
+                    **prompt.metadata,  # first: a dataset column must not replace the loop's keys
                     "sample_key": base_key + j,
                     "prompt_index": group.index,
                     "batch_tag": tag,
-                    **prompt.metadata,
                 },
             )
             item = InFlight(req, slot.replica_id, slot.version)

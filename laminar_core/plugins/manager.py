@@ -26,6 +26,15 @@ from laminar_core.plugins.hookspecs import KINDS, PROJECT_NAME, KindSpec, Lamina
 _LAZY_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 
 
+def import_spec(spec: str) -> Any:
+    """The object named by ``"package.module:attr.path"`` (import errors propagate)."""
+    module_name, _, attr_path = spec.partition(":")
+    obj: Any = importlib.import_module(module_name)
+    for attr in attr_path.split("."):
+        obj = getattr(obj, attr)
+    return obj
+
+
 def _one_line(exc: BaseException) -> str:
     """``"Type: first line of message"`` for an exception."""
     text = str(exc).strip().splitlines()
@@ -298,11 +307,8 @@ class PluginManager:
         if not isinstance(factory, str):
             return factory  # type: ignore[return-value]  # validated callable at registration
         where = f"{spec.label} {name!r} from {entry.provider}"
-        module_name, _, attr_path = factory.partition(":")
         try:
-            obj: Any = importlib.import_module(module_name)
-            for attr in attr_path.split("."):
-                obj = getattr(obj, attr)
+            obj = import_spec(factory)
         except Exception as exc:
             raise PluginResolveError(
                 f"cannot load {where} ({factory!r}): {_one_line(exc)}"

@@ -13,13 +13,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import importlib
 import math
 import re
 import threading
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from laminar_core.plugins.manager import import_spec
 from laminar_core.types import Trajectory
 
 RewardCallable = Callable[..., float]
@@ -48,11 +48,8 @@ def import_reward(spec: str) -> RewardCallable:
     """Import ``"package.module:function"``; raise ``ValueError`` with the cause and the fix."""
     if not _SPEC_RE.match(spec):
         raise ValueError(f"'{spec}' is neither a registered reward nor 'package.module:function'")
-    module_name, _, attr_path = spec.partition(":")
     try:
-        obj: Any = importlib.import_module(module_name)
-        for attr in attr_path.split("."):
-            obj = getattr(obj, attr)
+        obj = import_spec(spec)
     except Exception as e:
         raise ValueError(
             f"cannot import '{spec}' ({type(e).__name__}: {e}); check the module is importable "
