@@ -134,6 +134,9 @@ class RelayTier:
         self.history: list[PublishResult] = []
         self.rebuilds = 0  # times the chain was rebuilt after a relay died
         self.on_master_change: list[Callable[[int, Any], None]] = []  # (rank, endpoint)
+        # (rank, version): a relay host committed the version and shared it with its node
+        # (its ``drain`` returned); how a driver-side view of a remote relay learns of it.
+        self.on_ready: list[Callable[[int, int], None]] = []
 
     # --- membership ---------------------------------------------------------------------------
 
@@ -336,6 +339,7 @@ class RelayTier:
             if i == 0 and not master_done.done():
                 master_done.set_result(loop.time())
             await host.drain(version)
+            self._ready(chain[i][0], version)
 
         def check(index: int, nbytes: int) -> None:
             want = min(chunk, model_bytes - index * chunk)
@@ -471,6 +475,13 @@ class RelayTier:
             except Exception as e:
                 log.error("version %s: repair after a relay death failed: %r", version, e)
 
+    def _ready(self, rank: int, version: int) -> None:
+        for cb in self.on_ready:
+            try:
+                cb(rank, version)
+            except Exception:  # a listener's bug must not fail the broadcast
+                log.exception("relay on_ready listener failed")
+
     async def _repair(self, version: int, count: int, manifest: WeightManifest) -> None:
         """Relays of the rebuilt chain that missed ``version`` get it from one holding it."""
         chain = list(self._chain)
@@ -496,6 +507,7 @@ class RelayTier:
             await host.offer_manifest(manifest)
             await got
             await host.drain(version)
+            self._ready(sub[i][0], version)
 
         tasks = [asyncio.ensure_future(sub[0][1].serve(version, sub[1][0]))]
         tasks += [asyncio.ensure_future(target(i)) for i in range(1, len(sub))]
