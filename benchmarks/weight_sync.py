@@ -126,19 +126,26 @@ async def broadcast(name: str, relays: int, total: int, chunks: int | None) -> d
     try:
         await tier.open()
         link = tier.link or await tier.calibrate()
-        weights = model(total, 1)
-        nbytes = sum(t.numel() * t.element_size() for _, t in weights)
+        nbytes = sum(t.numel() * t.element_size() for _, t in model(total, 0))
         loop = asyncio.get_running_loop()
-        t0 = loop.time()
-        res = await tier.publish(1, weights, model_bytes=nbytes)
-        await tier.wait_broadcast()
-        seconds = loop.time() - t0
+        # Versions 1 and 2 are the cold start (links set up, the trainer's bucket ring and
+        # the relays' two version buffers faulted in); version 3 is the steady state of a
+        # training run, which is what the figures report.
+        timings = []
+        for version in (1, 2, 3):
+            weights = model(total, version)
+            t0 = loop.time()
+            res = await tier.publish(version, weights, model_bytes=nbytes)
+            await tier.wait_broadcast()
+            timings.append(loop.time() - t0)
+        seconds = timings[-1]
         held = [await h.status() for h in hosts]
-        assert held == [1] * relays, f"relays hold {held}"
+        assert held == [3] * relays, f"relays hold {held}"
         t_byte, t_start = link
         return {
             "bytes": nbytes,
             "seconds": seconds,
+            "first_version_seconds": timings[0],
             "trainer_stall_seconds": res.stall_seconds,
             "chunks": res.buckets,
             "t_byte": t_byte,

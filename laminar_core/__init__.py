@@ -7,6 +7,7 @@ The public API that plugins and users import. Everything not re-exported here (o
 from laminar_core.algorithms import AlgorithmConfig
 from laminar_core.config import ConfigError, LaminarConfig, ResolvedConfig, load_config
 from laminar_core.interfaces import (
+    Alloc,
     BuildContext,
     RepackPolicy,
     ReplicaFailure,
@@ -44,6 +45,7 @@ __version__ = "0.1.0"
 __all__ = [
     "BUCKET_HEADER_BYTES",
     "AlgorithmConfig",
+    "Alloc",
     "Bucket",
     "BuildContext",
     "ConfigError",

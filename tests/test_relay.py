@@ -520,3 +520,108 @@ def test_node_relay_rejects_bucket_index_out_of_range(index: int) -> None:
     relay.begin(1, 3)
     with pytest.raises(WeightIntegrityError, match="has 3 buckets"):
         relay.put(Bucket(1, index, 4, checksum(b"abcd"), b"abcd"))
+
+
+# --- memory: views, recycled buffers, staging ---------------------------------------------------
+
+
+def test_packer_whole_buckets_are_views_of_the_tensor() -> None:
+    """A bucket inside one tensor is that tensor's memory (no copy); one that spans
+    tensors is a copy."""
+    a, b = torch.zeros(16), torch.zeros(6)  # 64 + 24 bytes, 32-byte buckets
+    buckets = list(BucketPacker([("a", a), ("b", b)], 1, 32).buckets())
+    assert [x.nbytes for x in buckets] == [32, 32, 24]
+    a[0], b[0] = 7.0, 7.0
+    assert bytes(buckets[0].data[:4]) == a[:1].numpy().tobytes()  # sees the write: a view
+    assert bytes(buckets[2].data[:4]) == bytes(4)  # assembled before the write: a copy
+    # views=False copies everything (a staged version must not change with the trainer)
+    copied = list(BucketPacker([("a", a), ("b", b)], 1, 32, views=False).buckets())
+    a[0] = 9.0
+    assert bytes(copied[0].data[:4]) == torch.tensor([7.0]).numpy().tobytes()
+
+
+def test_packer_ring_recycles_its_buffers_across_versions() -> None:
+    named = [(f"w{i}", torch.full((5,), float(i))) for i in range(8)]  # 20-byte tensors
+    ring: list[memoryview] = []
+    seen = set()
+    for version in (1, 2):
+        packer = BucketPacker(named, version, 32, reuse=True, ring=ring)
+        for bucket in packer.buckets():  # every bucket spans tensors: all in the ring
+            seen.add(id(bucket.data.obj))
+            assert verify_bucket(bucket) is None  # valid while it is the newest
+    assert len(ring) == 3 and seen == {id(b.obj) for b in ring}
+
+
+def test_node_relay_recycles_a_superseded_versions_buffers() -> None:
+    """In steady state a relay holds two versions' worth of buffers: the one it serves
+    and the one it receives into."""
+    relay = NodeRelay(0, 0)
+
+    def receive(version: int) -> list[int]:
+        manifest, buckets = pack([("w", torch.full((40,), float(version)))], version, 64)
+        relay.begin(version, len(buckets))
+        ids = []
+        for b in buckets:
+            buf = relay.alloc(len(b.data))
+            buf[:] = b.data
+            ids.append(id(buf.obj))
+            relay.put(Bucket(b.version, b.index, b.nbytes, b.checksum, buf))
+        relay.commit(manifest)
+        return ids
+
+    v1, v2, v3, v4 = (receive(v) for v in (1, 2, 3, 4))
+    assert set(v3) == set(v1) and set(v4) == set(v2) and not set(v1) & set(v2)
+    assert relay.allocated_bytes == 2 * 160
+    ((_, t),) = list(unpack(relay.read().manifest, relay.read().buckets))
+    assert torch.equal(t, torch.full((40,), 4.0))
+
+
+def test_staged_publish_returns_before_the_push_and_delivers_the_staged_copy() -> None:
+    """With staging the trainer's stall is the copy, not the push: publish returns at once
+    (virtual time), the master holds the version later, and weights the trainer changes
+    after publish returned do not leak into the version."""
+    cfg = SimTransportConfig(link_gbps=8.0, start_s=0.001, push_gbps=8.0)
+
+    async def main():
+        fabric = SimFabric()
+        relays = [NodeRelay(i, i) for i in range(3)]
+        tier = RelayTier(relays, lambda r: SimTransport(cfg, fabric), chunks=4, stage=True)
+        await tier.open()
+        loop = asyncio.get_running_loop()
+        w = torch.full((1000,), 1.0)
+        t0 = loop.time()
+        res = await tier.publish(1, lambda: [("w", w)])
+        returned = loop.time() - t0
+        held_at_return = [r.version for r in relays]
+        w.fill_(5.0)  # the trainer's next step changes its weights in place
+        await tier.wait_broadcast()
+        res2 = await tier.publish(2, [("w", torch.full((1000,), 2.0))])
+        await tier.close()
+        return res, res2, returned, held_at_return, relays
+
+    res, res2, returned, held_at_return, relays = run_virtual(main())
+    assert returned == 0.0 and res.stall_seconds == 0.0
+    assert held_at_return == [-1, -1, -1]
+    assert res.master_seconds is not None and res.master_seconds > 0
+    assert res2.master_seconds is not None  # the second version went through too
+    for r in relays:
+        ((_, t),) = list(unpack(r.read().manifest, r.read().buckets))
+        assert torch.equal(t, torch.full((1000,), 2.0))
+    assert res.buckets == 4
+
+
+def test_staged_publish_rejects_a_wrong_sized_export_before_anything_is_sent() -> None:
+    async def main() -> None:
+        fabric = InProcessFabric()
+        relays = [NodeRelay(i, i) for i in range(2)]
+        tier = RelayTier(relays, lambda r: InProcessTransport(fabric), chunks=2, stage=True)
+        await tier.open()
+        await tier.publish(1, [("w", torch.zeros(100))])
+        await tier.wait_broadcast()
+        with pytest.raises(WeightIntegrityError, match="not the announced 400 bytes"):
+            await tier.publish(2, [("w", torch.zeros(120))])
+        await tier.publish(2, [("w", torch.ones(100))])
+        await tier.close()
+        assert [r.version for r in relays] == [2, 2]
+
+    asyncio.run(main())

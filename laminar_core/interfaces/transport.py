@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 from typing import Any
 
 from laminar_core.types import Bucket
@@ -11,6 +12,10 @@ from laminar_core.types import Bucket
 class TransportError(ConnectionError):
     """A send or receive that failed on the wire (peer gone, timeout); the relay tier treats
     the peer as suspect and rebuilds the chain if its relay died."""
+
+
+Alloc = Callable[[int], memoryview]
+"""``alloc(nbytes)``: a writable buffer of ``nbytes`` for a received payload."""
 
 
 class WeightTransport(abc.ABC):
@@ -48,10 +53,21 @@ class WeightTransport(abc.ABC):
         return None
 
     @abc.abstractmethod
-    async def send(self, bucket: Bucket, peer: int) -> None: ...
+    async def send(self, bucket: Bucket, peer: int) -> None:
+        """Send ``bucket`` to ``peer``; return once the caller may reuse the bucket's memory
+        (the sender's buffers are recycled: a transport that still needs the bytes later
+        copies them first)."""
 
     @abc.abstractmethod
-    async def recv(self, peer: int) -> Bucket: ...
+    async def recv(self, peer: int, alloc: Alloc | None = None) -> Bucket:
+        """The next bucket from ``peer``.
+
+        ``alloc(nbytes)`` (optional) returns a writable buffer of exactly ``nbytes`` for the
+        payload: a relay passes one that hands out its recycled, already-faulted (and, for
+        RDMA, registered) memory, which is what keeps a hop at the link's speed. A transport
+        should receive into it (the returned bucket's ``data`` is then that buffer); one
+        that cannot may ignore it and return its own memory.
+        """
 
     @abc.abstractmethod
     async def close(self) -> None: ...

@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 
 ABORT = -1  # bucket index of the marker that abandons a version down the chain
 PROBE = -3  # version number of calibration buckets (never staged)
+_THREADED_CHECK = 1 << 20  # buckets this large are checked on a worker thread
 
 
 def _retrieve(fut: asyncio.Future) -> None:
@@ -74,6 +75,7 @@ class RelayHost:
         self.on_commit = on_commit
         self._jobs: dict[int, _Job] = {}
         self._serving: dict[int, asyncio.Task] = {}
+        self._probe_buf = memoryview(b"")  # calibration buckets land here, then are dropped
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -175,20 +177,45 @@ class RelayHost:
         finally:
             self._serving.pop(version, None)
 
+    def _scratch(self, nbytes: int) -> memoryview:
+        if len(self._probe_buf) < nbytes:
+            self._probe_buf = memoryview(bytearray(nbytes))
+        return self._probe_buf[:nbytes]
+
     async def probe(self, pred: int, count: int) -> None:
         """Receive and drop ``count`` calibration buckets from ``pred``."""
         for _ in range(count):
-            await self.transport.recv(pred)
+            await self.transport.recv(pred, self._scratch)
 
     # --- the pipeline --------------------------------------------------------------------------
 
     async def _run(self, job: _Job, count: int, pred: int, nxt: int | None) -> None:
         relay, tr, version = self.relay, self.transport, job.version
-        fwd: asyncio.Queue[Bucket | None] = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        # (bucket, its check) in arrival order; the check (checksum + staging) runs on a
+        # worker thread so the next bucket's receive is posted at once instead of waiting
+        # for it, and a bucket is forwarded only once it passed.
+        fwd: asyncio.Queue[tuple[Bucket, asyncio.Future | None] | None] = asyncio.Queue()
+        checks: list[asyncio.Future] = []
+        failed: list[BaseException] = []
+
+        def note(fut: asyncio.Future) -> None:
+            if not fut.cancelled() and fut.exception() is not None and not failed:
+                failed.append(fut.exception())  # type: ignore[arg-type]
 
         async def forward() -> None:
+            aborted = False  # after an abort marker nothing more goes down this link
             try:
-                while (b := await fwd.get()) is not None:
+                while (item := await fwd.get()) is not None:
+                    b, check = item
+                    if aborted:
+                        continue
+                    if check is not None:
+                        try:
+                            await check
+                        except WeightIntegrityError:
+                            b = Bucket(version, ABORT, 0)
+                    aborted = b.index == ABORT
                     await tr.send(b, nxt)  # type: ignore[arg-type]
             except asyncio.CancelledError:
                 raise
@@ -206,22 +233,30 @@ class RelayHost:
         elif not job.forwarded.done():
             job.forwarded.set_result(None)
 
+        def stage(b: Bucket) -> None:
+            if b.version != version:
+                raise WeightIntegrityError(
+                    f"relay {relay.relay_id}: got a bucket of version {b.version} "
+                    f"while receiving {version}"
+                )
+            relay.put(b)
+
         failure: BaseException | None = None
         try:
             relay.begin(version, count)
         except WeightIntegrityError as e:
             failure = e  # still drain what upstream sends, so every link stays clean
-            fwd.put_nowait(Bucket(version, ABORT, 0))
+            fwd.put_nowait((Bucket(version, ABORT, 0), None))
         try:
             for _ in range(count):
                 try:
-                    b = await tr.recv(pred)
+                    b = await tr.recv(pred, relay.alloc)
                 except asyncio.CancelledError:
                     raise
                 except BaseException as e:  # the predecessor is gone: nothing more will come
                     if failure is None:
                         failure = e
-                        fwd.put_nowait(Bucket(version, ABORT, 0))
+                        fwd.put_nowait((Bucket(version, ABORT, 0), None))
                     break
                 if self.die_at is not None and (b.version, b.index) == self.die_at:
                     log.error("relay %s: injected fault, exiting", relay.relay_id)
@@ -229,20 +264,25 @@ class RelayHost:
                 if b.index == ABORT:  # upstream gave up: it sends nothing after this
                     if failure is None:
                         failure = WeightIntegrityError(f"version {version} abandoned upstream")
-                        fwd.put_nowait(b)
+                        fwd.put_nowait((b, None))
                     break
-                if failure is not None:
+                if failure is not None or failed:
                     continue  # draining what upstream still sends
-                try:
-                    if b.version != version:
-                        raise WeightIntegrityError(
-                            f"relay {relay.relay_id}: got a bucket of version {b.version} "
-                            f"while receiving {version}"
-                        )
-                    relay.put(b)
-                except WeightIntegrityError as e:
-                    failure, b = e, Bucket(version, ABORT, 0)
-                fwd.put_nowait(b)
+                if b.data is not None and len(b.data) >= _THREADED_CHECK:
+                    check = loop.run_in_executor(None, stage, b)
+                else:  # small or phantom: a thread hop costs more than the check
+                    check = loop.create_future()
+                    try:
+                        stage(b)
+                        check.set_result(None)
+                    except WeightIntegrityError as e:
+                        check.set_exception(e)
+                check.add_done_callback(note)
+                checks.append(check)
+                fwd.put_nowait((b, check))
+            await asyncio.gather(*checks, return_exceptions=True)
+            if failure is None and failed:
+                failure = failed[0]
             if failure is None:
                 manifest = await asyncio.wait_for(
                     asyncio.shield(job.manifest), self.manifest_timeout_s

@@ -10,7 +10,7 @@ import asyncio
 from collections import defaultdict
 from typing import Any
 
-from laminar_core.interfaces import BuildContext, WeightTransport
+from laminar_core.interfaces import Alloc, BuildContext, WeightTransport
 from laminar_core.types import Bucket
 
 
@@ -42,7 +42,7 @@ class InProcessTransport(WeightTransport):
             Bucket(bucket.version, bucket.index, bucket.nbytes, bucket.checksum, data)
         )
 
-    async def recv(self, peer: int) -> Bucket:
+    async def recv(self, peer: int, alloc: Alloc | None = None) -> Bucket:
         return await self.fabric.queues[(peer, self.rank)].get()
 
     async def close(self) -> None:

@@ -33,6 +33,13 @@ class NodeRelay:
     The *layout* (names, shapes, dtypes in order) is what the rollout engines expect: set it
     with ``expect_layout`` (from the engine), or it is pinned by the first committed version.
     A manifest with another layout is rejected at commit.
+
+    Memory: ``alloc(nbytes)`` hands a transport a buffer to receive a bucket into. Buffers
+    handed out here are recycled once their version is superseded (by then its broadcast,
+    repair and node share have finished: the tier runs versions one after another; readers
+    of an in-process relay hold buckets the transport allocated, which are never recycled),
+    so in steady state a relay holds two versions' worth and receives into memory that is
+    already faulted in (and, for RDMA, registered) instead of allocating per bucket.
     """
 
     def __init__(self, relay_id: int, node: int) -> None:
@@ -44,6 +51,27 @@ class NodeRelay:
         self._changed = asyncio.Event()
         self.alive = True
         self.listeners: list[Callable[[int], None]] = []  # called with the new version
+        self._free: dict[int, list[memoryview]] = {}  # size -> recycled buffers
+        self._owned: dict[int, memoryview] = {}  # id -> buffers handed out by alloc
+        self.allocated_bytes = 0  # fresh memory alloc() had to take (not recycled)
+
+    def alloc(self, nbytes: int) -> memoryview:
+        """A writable buffer of ``nbytes`` for a bucket being received (see class docstring)."""
+        free = self._free.get(nbytes)
+        if free:
+            return free.pop()
+        buf = memoryview(bytearray(nbytes))  # zero-filled: faulted in before the wire writes
+        self._owned[id(buf)] = buf
+        self.allocated_bytes += nbytes
+        return buf
+
+    def _recycle(self, data: VersionData | None) -> None:
+        if data is None:
+            return
+        for b in data.buckets:
+            buf = b.data
+            if buf is not None and self._owned.get(id(buf)) is buf:
+                self._free.setdefault(len(buf), []).append(buf)
 
     @property
     def version(self) -> int:
@@ -90,11 +118,21 @@ class NodeRelay:
         self.check_layout(manifest)
         if self.layout is None:
             self.layout = [(s.name, tuple(s.shape), s.dtype) for s in manifest.tensors]
+        self._recycle(self.current)
         self.current = VersionData(manifest, stage)  # type: ignore[arg-type]
+        self._forget_strays()
         self._changed.set()
         self._changed = asyncio.Event()
         for listener in self.listeners:
             listener(manifest.version)
+
+    def _forget_strays(self) -> None:
+        """Stop tracking buffers that went nowhere (a rejected bucket, an abandoned version),
+        so they are freed instead of kept for recycling."""
+        live = [b.data for b in self.current.buckets] if self.current else []
+        live += [buf for bufs in self._free.values() for buf in bufs]
+        live += [b.data for stage in self._staging.values() for b in stage if b is not None]
+        self._owned = {id(x): x for x in live if x is not None and self._owned.get(id(x)) is x}
 
     def expect_layout(self, specs: Iterable[tuple[str, tuple[int, ...], str]]) -> None:
         """Names, shapes and dtypes (in export order) every committed version must have."""

@@ -16,6 +16,7 @@ repair: relays that missed the version get it from one that holds it.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import math
 from collections.abc import Callable, Iterable
@@ -33,6 +34,7 @@ from laminar_core.types import Bucket, WeightManifest
 
 log = logging.getLogger(__name__)
 
+_THREADED_STAGE = 64 << 20  # exports this large are staged on a worker thread
 TRAINER_RANK = 0  # relays are ranks 1..p in chain order; the first live relay is the master
 
 __all__ = [
@@ -78,8 +80,29 @@ class PublishResult:
     version: int
     bytes: int
     buckets: int
-    stall_seconds: float  # trainer-side: until the master holds every bucket
+    # trainer-side: until it may resume (staged push: the version is copied to host memory;
+    # otherwise: the master holds every bucket)
+    stall_seconds: float
     master_rank: int = 1  # where the trainer pushed
+    # from the publish call until the master held the version (staged: filled in when the
+    # background push gets there; None until then or if it never does)
+    master_seconds: float | None = None
+    error: str | None = None  # staged: why the background push failed (the relays keep theirs)
+
+
+class _Staged:
+    """A version copied out of the trainer into host buffers: what a staged push sends (and
+    replays to a new master if the old one dies)."""
+
+    def __init__(self, manifest: WeightManifest, buckets: list[Bucket], chunk: int) -> None:
+        self.manifest = manifest
+        self._buckets = buckets
+        self.sizes = list(manifest.bucket_sizes)
+        self.chunk = chunk
+        self.bytes = sum(self.sizes)
+
+    def buckets(self) -> Iterable[Bucket]:
+        return iter(self._buckets)
 
 
 class RelayTier:
@@ -88,6 +111,13 @@ class RelayTier:
     Either ``relays`` (``NodeRelay`` objects in this process) with ``transport_factory(rank)``
     returning an unopened ``WeightTransport`` per endpoint, or ``hosts`` (handles to relays
     hosted elsewhere, ranks 1..p in order) with the trainer's own ``trainer_transport``.
+
+    Staging (``stage=True``): ``publish`` copies the version into host buffers (recycled
+    across versions: one model's worth) and returns; the push to the master and the chain
+    broadcast run in the background. The trainer's stall is then one copy of its weights
+    (the GPU → host copy on a GPU trainer), flat in the number of relays and independent of
+    the link, and a master that dies mid-push is always replayed from the staged copy.
+    Phantom (simulated) versions are never staged: their push time is the modelled stall.
 
     Chunking: ``chunks`` (> 0) fixes the chunk count; else ``link=(t_byte, t_start)`` (from
     config), the transport's ``link_model()``, or a measurement (``calibrate=True``: probes
@@ -108,6 +138,7 @@ class RelayTier:
         calibrate: bool = False,
         max_chunks: int = 4096,
         timeout_s: float = 600.0,
+        stage: bool = False,
     ) -> None:
         if hosts is None and not relays:
             raise ValueError("the relay tier needs at least one relay")
@@ -128,10 +159,13 @@ class RelayTier:
         self._hosts: list[tuple[int, HostHandle]] = []
         self._chain: list[tuple[int, HostHandle]] = []
         self._endpoints: dict[int, Any] = {}
-        self._previous: asyncio.Task | None = None
         self._model_bytes: int | None = None  # size of the last version published
         self._last_version: int | None = None
         self.history: list[PublishResult] = []
+        self._ring: list[memoryview] = []  # the trainer side's bucket buffers, recycled
+        self.stage = stage
+        self._staging: list[memoryview] = []  # a staged version's buffers, recycled
+        self._background: set[asyncio.Future] = set()  # broadcasts (and repairs) under way
         self.rebuilds = 0  # times the chain was rebuilt after a relay died
         self.on_master_change: list[Callable[[int, Any], None]] = []  # (rank, endpoint)
         # (rank, version): a relay host committed the version and shared it with its node
@@ -261,8 +295,14 @@ class RelayTier:
     # --- publishing ---------------------------------------------------------------------------
 
     async def _settle(self) -> None:
-        if self._previous is not None:
-            await asyncio.gather(self._previous, return_exceptions=True)
+        while self._background:
+            await asyncio.gather(*list(self._background), return_exceptions=True)
+
+    def _track(self, aw: Any) -> asyncio.Future:
+        fut = asyncio.ensure_future(aw)
+        self._background.add(fut)
+        fut.add_done_callback(self._background.discard)
+        return fut
 
     async def wait_broadcast(self) -> None:
         """Return once the last version's chain broadcast (and any repair) has ended."""
@@ -275,7 +315,8 @@ class RelayTier:
         model_bytes: int | None = None,
     ) -> PublishResult:
         """Push ``version`` to the master; return once the master holds it (the trainer's
-        stall). The chain broadcast continues in the background.
+        stall), or once it is staged in host memory with ``stage=True`` (see class
+        docstring). The chain broadcast continues in the background.
 
         The export is streamed bucket by bucket, so the trainer holds one bucket at a time.
         The chunk size needs the model's size up front: ``model_bytes`` if given, else the
@@ -293,10 +334,20 @@ class RelayTier:
             )
         replayable = callable(named_tensors)
         export = named_tensors() if replayable else named_tensors  # type: ignore[operator]
+        if self.stage:
+            staged, export = await self._stage(version, export, model_bytes, replayable)
+            if staged is not None:
+                result = PublishResult(
+                    version, staged.bytes, len(staged.sizes), loop.time() - t0, self.master_rank
+                )
+                self._model_bytes = staged.bytes  # (the version counts once the master has it)
+                self.history.append(result)
+                self._track(self._push_staged(staged, result, t0))
+                return result
         for attempt in range(2):
             await self._refresh()
             try:
-                result = await self._publish_once(version, export, model_bytes, t0)  # type: ignore[arg-type]
+                result, finish = await self._publish_once(version, export, model_bytes, t0)  # type: ignore[arg-type]
             except _MasterLost as e:
                 await self._refresh()
                 if not replayable or attempt:
@@ -312,21 +363,101 @@ class RelayTier:
                 export = named_tensors()  # type: ignore[operator]
                 continue
             self._last_version = version
+            result.master_seconds = result.stall_seconds
+            self.history.append(result)
+            self._track(finish)
             return result
         raise AssertionError("unreachable")
 
-    async def _publish_once(
-        self, version: int, named_tensors: Export, model_bytes: int | None, t0: float
-    ) -> PublishResult:
-        loop = asyncio.get_running_loop()
+    def _check_size(
+        self, version: int, index: int, nbytes: int, chunk: int, count: int, model_bytes: int
+    ) -> None:
+        want = min(chunk, model_bytes - index * chunk)
+        if index >= count or nbytes != want:
+            raise WeightIntegrityError(
+                f"version {version}: the export is not the announced {model_bytes} bytes "
+                f"(bucket {index} has {nbytes}, expected {max(want, 0)}); weights must keep "
+                "their names, shapes and dtypes between versions"
+            )
+
+    async def _stage(
+        self, version: int, export: Export, model_bytes: int | None, threaded: bool
+    ) -> tuple[_Staged | None, Export]:
+        """Copy ``export`` into the staging buffers; ``(None, export)`` for a phantom one.
+
+        A large materialised export (a list) is copied on a worker thread so the event loop
+        keeps serving; a generator (it may run collectives) is walked on this thread.
+        """
+        it = iter(export)
+        first = next(it, None)
+        export = itertools.chain([] if first is None else [first], it)
+        if first is None or first[1].device.type == "meta":
+            return None, export
         if model_bytes is None:
             model_bytes = self._model_bytes
         if model_bytes is None:
-            named_tensors = list(named_tensors)
-            model_bytes = sum(t.numel() * t.element_size() for _, t in named_tensors)
+            export = list(export)
+            model_bytes = sum(t.numel() * t.element_size() for _, t in export)
         chunk = self.chunk_bytes(model_bytes)
         count = math.ceil(model_bytes / chunk)
-        packer = BucketPacker(named_tensors, version, chunk)
+        packer = BucketPacker(
+            export, version, chunk, reuse=True, ring=self._staging, ring_size=count, views=False
+        )
+
+        def run() -> list[Bucket]:
+            out = []
+            for b in packer.buckets():
+                self._check_size(version, b.index, b.nbytes, chunk, count, model_bytes)
+                out.append(b)
+            if len(out) != count:
+                self._check_size(version, len(out), 0, chunk, count, model_bytes)
+            return out
+
+        big = model_bytes >= _THREADED_STAGE  # below it a thread hop costs more than the copy
+        buckets = await asyncio.to_thread(run) if threaded and big else run()
+        return _Staged(packer.manifest, buckets, chunk), export
+
+    async def _push_staged(self, staged: _Staged, result: PublishResult, t0: float) -> None:
+        """Background: push a staged version to the master (replaying it to a new master if
+        the old one dies), then wait for its broadcast."""
+        version = result.version
+        for _ in range(3):
+            try:
+                await self._refresh()
+                res, finish = await self._publish_once(version, staged, staged.bytes, t0)
+            except _MasterLost as e:
+                log.warning("version %s: master lost (%s); replaying the staged copy", version, e)
+                continue
+            except Exception as e:
+                result.error = f"{type(e).__name__}: {e}"
+                log.error("version %s: push to the master failed: %s", version, result.error)
+                return
+            result.master_seconds, result.master_rank = res.stall_seconds, res.master_rank
+            self._last_version = version
+            await finish
+            return
+        result.error = "no master took it after 3 attempts"
+        log.error("version %s: %s", version, result.error)
+
+    async def _publish_once(
+        self, version: int, source: Export | _Staged, model_bytes: int | None, t0: float
+    ) -> tuple[PublishResult, asyncio.Future]:
+        """Push one version to the current master; return once it holds it, with the task
+        that finishes the broadcast (the caller tracks it)."""
+        loop = asyncio.get_running_loop()
+        packer: BucketPacker | _Staged
+        if isinstance(source, _Staged):
+            packer, model_bytes, chunk = source, source.bytes, source.chunk
+            count = len(source.sizes)
+        else:
+            if model_bytes is None:
+                model_bytes = self._model_bytes
+            if model_bytes is None:
+                source = list(source)
+                model_bytes = sum(t.numel() * t.element_size() for _, t in source)
+            chunk = self.chunk_bytes(model_bytes)
+            count = math.ceil(model_bytes / chunk)
+            packer = BucketPacker(source, version, chunk, reuse=True, ring=self._ring)
         chain = list(self._chain)
         master_rank, master = chain[0]
         master_done = loop.create_future()
@@ -342,13 +473,7 @@ class RelayTier:
             self._ready(chain[i][0], version)
 
         def check(index: int, nbytes: int) -> None:
-            want = min(chunk, model_bytes - index * chunk)
-            if index >= count or nbytes != want:
-                raise WeightIntegrityError(
-                    f"version {version}: the export is not the announced {model_bytes} bytes "
-                    f"(bucket {index} has {nbytes}, expected {max(want, 0)}); weights must keep "
-                    "their names, shapes and dtypes between versions"
-                )
+            self._check_size(version, index, nbytes, chunk, count, model_bytes)  # type: ignore[arg-type]
 
         async def offer_manifest() -> None:
             m = packer.manifest
@@ -425,15 +550,12 @@ class RelayTier:
                 await call_off()
                 raise _MasterLost(str(err)) from err
             # the master rejected the version: the rest of the chain drains and keeps its own
-            self._previous = asyncio.ensure_future(self._finish(version, chain, jobs, count, None))
+            self._track(self._finish(version, chain, jobs, count, None))
             raise err  # type: ignore[misc]
         self._model_bytes = model_bytes
         result = PublishResult(version, model_bytes, count, loop.time() - t0, master_rank)
-        self.history.append(result)
-        self._previous = asyncio.ensure_future(
-            self._finish(version, chain, jobs, count, packer.manifest)
-        )
-        return result
+        finish = asyncio.ensure_future(self._finish(version, chain, jobs, count, packer.manifest))
+        return result, finish
 
     async def _finish(
         self,

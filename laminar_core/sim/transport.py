@@ -11,7 +11,7 @@ import asyncio
 from collections import defaultdict
 from typing import Any
 
-from laminar_core.interfaces import BuildContext, WeightTransport
+from laminar_core.interfaces import Alloc, BuildContext, WeightTransport
 from laminar_core.relay.tier import TRAINER_RANK
 from laminar_core.sim.config import SimTransportConfig
 from laminar_core.types import Bucket
@@ -49,9 +49,12 @@ class SimTransport(WeightTransport):
         gbps = self.cfg.push_gbps if self.rank == TRAINER_RANK else self.cfg.link_gbps
         async with self._link:
             await asyncio.sleep(self.cfg.start_s + bucket.nbytes * 8.0 / (gbps * 1e9))
+        if bucket.data is not None:  # the sender recycles its buffers once send returns
+            bucket = Bucket(bucket.version, bucket.index, bucket.nbytes, bucket.checksum,
+                            bytes(bucket.data))
         self.fabric.queues[(self.rank, peer)].put_nowait(bucket)
 
-    async def recv(self, peer: int) -> Bucket:
+    async def recv(self, peer: int, alloc: Alloc | None = None) -> Bucket:
         return await self.fabric.queues[(peer, self.rank)].get()
 
     async def close(self) -> None:

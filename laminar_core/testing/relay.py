@@ -17,10 +17,11 @@ import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from laminar_core.interfaces import WeightTransport
+from laminar_core.interfaces import Alloc, WeightTransport
 from laminar_core.relay.packing import WeightIntegrityError
 from laminar_core.relay.process import RelayProcess
 from laminar_core.relay.shm import load_shared
@@ -81,8 +82,8 @@ class _Tampering(WeightTransport):
             bucket = Bucket(bucket.version, bucket.index, bucket.nbytes, bucket.checksum, data)
         await self.inner.send(bucket, peer)
 
-    async def recv(self, peer: int) -> Bucket:
-        return await self.inner.recv(peer)
+    async def recv(self, peer: int, alloc: Alloc | None = None) -> Bucket:
+        return await self.inner.recv(peer, alloc)
 
     async def close(self) -> None:
         await self.inner.close()
@@ -99,18 +100,32 @@ async def check_relay_chain(
     chunks: int = 6,
     env: dict[str, str] | None = None,
     timeout_s: float = 120.0,
+    stage: bool = False,
 ) -> None:
     """Pipelined chain of ``relays`` relay processes: versions arrive intact everywhere;
     a corrupt or truncated bucket, a manifest that does not match the engine's layout and a
     stale version are rejected with clear errors while every relay keeps serving its last
-    good version; the next good version still goes through."""
+    good version; the next good version still goes through. ``stage=True`` runs it with the
+    staged push (errors past the staging then surface in ``PublishResult.error``)."""
     env = {"OMP_NUM_THREADS": "1", **(env or {})}
     hosts = [
         RelayProcess(i, i, i + 1, make_transport, shm_dir=str(shm_root), env=env)
         for i in range(relays)
     ]
     trainer = _Tampering(make_transport())
-    tier = RelayTier(hosts=hosts, trainer_transport=trainer, chunks=chunks, timeout_s=timeout_s)
+    tier = RelayTier(
+        hosts=hosts, trainer_transport=trainer, chunks=chunks, timeout_s=timeout_s, stage=stage
+    )
+
+    async def rejected(version: int, weights: Any, what: str, match: str) -> None:
+        try:
+            res = await asyncio.wait_for(tier.publish(version, weights), timeout_s)
+        except WeightIntegrityError as e:
+            assert match in str(e), e
+            return
+        await tier.wait_broadcast()
+        assert stage and res.error is not None, f"{what} was accepted"
+        assert match in res.error, res.error
 
     async def settle(want: list[int]) -> None:
         await tier.wait_broadcast()
@@ -123,24 +138,18 @@ async def check_relay_chain(
             res = await asyncio.wait_for(tier.publish(v, make_weights(v)), timeout_s)
             assert res.buckets == chunks and res.master_rank == 1
             await settle([v] * relays)
+            assert res.error is None and res.master_seconds is not None
             for h in hosts:
                 assert_loaded(shm_root, h.relay_id, v)
         for mode in ("flip", "truncate"):
             trainer.tamper = (3, 2, mode)
-            try:
-                await asyncio.wait_for(tier.publish(3, make_weights(3)), timeout_s)
-                raise AssertionError(f"a {mode}ped bucket was accepted")
-            except WeightIntegrityError as e:
-                assert ("checksum" if mode == "flip" else "truncated") in str(e), e
+            match = "checksum" if mode == "flip" else "truncated"
+            await rejected(3, make_weights(3), f"a {mode}ped bucket", match)
             await settle([2] * relays)
             assert_loaded(shm_root, hosts[-1].relay_id, 2)
         trainer.tamper = None
         renamed = [(n.replace("mlp", "ffn"), t) for n, t in make_weights(3)]
-        try:
-            await asyncio.wait_for(tier.publish(3, renamed), timeout_s)
-            raise AssertionError("a manifest with other names was accepted")
-        except WeightIntegrityError as e:
-            assert "does not match the engine's weights" in str(e), e
+        await rejected(3, renamed, "a manifest with other names", "does not match the engine's")
         await settle([2] * relays)
         await asyncio.wait_for(tier.publish(3, make_weights(3)), timeout_s)
         await settle([3] * relays)
@@ -161,11 +170,13 @@ async def check_relay_faults(
     chunks: int = 6,
     env: dict[str, str] | None = None,
     timeout_s: float = 120.0,
+    stage: bool = False,
 ) -> None:
     """Three relay processes A (master), B, C. B crashes mid-broadcast of version 2: it is
     cut out, the chain rebuilt (A -> C) and C repaired to version 2. Then A (the master)
     crashes mid-push of version 3: C becomes the master, the trainer replays version 3 to
-    it, and version 4 follows; C's rollouts read the newest version throughout."""
+    it, and version 4 follows; C's rollouts read the newest version throughout. With
+    ``stage=True`` the replay comes from the staged copy, in the background."""
     env = {"OMP_NUM_THREADS": "1", **(env or {})}
     hosts = [
         RelayProcess(0, 0, 1, make_transport, shm_dir=str(shm_root), env=env, die_at=(3, 1)),
@@ -173,7 +184,11 @@ async def check_relay_faults(
         RelayProcess(2, 2, 3, make_transport, shm_dir=str(shm_root), env=env),
     ]
     tier = RelayTier(
-        hosts=hosts, trainer_transport=make_transport(), chunks=chunks, timeout_s=timeout_s
+        hosts=hosts,
+        trainer_transport=make_transport(),
+        chunks=chunks,
+        timeout_s=timeout_s,
+        stage=stage,
     )
     masters: list[int] = []
     tier.on_master_change.append(lambda rank, ep: masters.append(rank))
@@ -191,9 +206,10 @@ async def check_relay_faults(
         assert_loaded(shm_root, 2, 2)
         # A (master) dies on receiving bucket 1 of version 3; the export is replayed to C
         res = await asyncio.wait_for(tier.publish(3, lambda: make_weights(3)), timeout_s)
+        await asyncio.wait_for(tier.wait_broadcast(), timeout_s)
         assert not hosts[0].is_alive(), "relay A should have crashed"
         assert res.master_rank == 3 and tier.master_rank == 3 and masters == [1, 3]
-        await tier.wait_broadcast()
+        assert res.error is None, res.error
         assert await _versions(hosts) == [-2, -2, 3]
         assert_loaded(shm_root, 2, 3)
         await asyncio.wait_for(tier.publish(4, make_weights(4)), timeout_s)

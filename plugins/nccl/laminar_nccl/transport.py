@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from laminar_core import (
     BUCKET_HEADER_BYTES,
+    Alloc,
     Bucket,
     BuildContext,
     TransportError,
@@ -214,7 +215,7 @@ class TorchDistTransport(WeightTransport):
                 raise TransportError(f"rank {self.rank}: send to peer {peer} failed: {e}") from e
             await self._wait(works, "send to", peer)
 
-    async def recv(self, peer: int) -> Bucket:
+    async def recv(self, peer: int, alloc: Alloc | None = None) -> Bucket:
         pg = await self._pair(peer)
         lock = self._recv_locks.setdefault(peer, asyncio.Lock())
         async with lock:
@@ -229,8 +230,15 @@ class TorchDistTransport(WeightTransport):
             version, index, nbytes, crc, payload = decode_bucket_header(
                 header.cpu().numpy().tobytes()
             )
-            data = None
-            if payload >= 0:
+            data: Any = None
+            if payload > 0 and alloc is not None:
+                data = alloc(payload)  # recycled host memory: no page faults on the way in
+                host = _bytes_tensor(data)
+                buf = host if self.backend == "gloo" else torch.empty_like(host, device=self.device)
+                await self._wait([pg.recv([buf], src, _TAG)], "recv from", peer)
+                if buf is not host:
+                    host.copy_(buf)
+            elif payload >= 0:
                 buf = torch.empty(payload, dtype=torch.uint8, device=self.device)
                 if payload:
                     await self._wait([pg.recv([buf], src, _TAG)], "recv from", peer)

@@ -37,9 +37,12 @@ def test_bad_backend_is_a_clear_error() -> None:
             TorchDistTransport(NcclOptions(backend="nccl"))
 
 
-def test_chain_of_three_relay_processes(tmp_path) -> None:
-    asyncio.run(check_relay_chain(partial(TorchDistTransport, GLOO), tmp_path, relays=3))
+@pytest.mark.parametrize("stage", [False, True], ids=["streamed", "staged"])
+def test_chain_of_three_relay_processes(tmp_path, stage: bool) -> None:
+    make = partial(TorchDistTransport, GLOO)
+    asyncio.run(check_relay_chain(make, tmp_path, relays=3, stage=stage))
 
 
-def test_relay_and_master_crashes(tmp_path) -> None:
-    asyncio.run(check_relay_faults(partial(TorchDistTransport, GLOO), tmp_path))
+@pytest.mark.parametrize("stage", [False, True], ids=["streamed", "staged"])
+def test_relay_and_master_crashes(tmp_path, stage: bool) -> None:
+    asyncio.run(check_relay_faults(partial(TorchDistTransport, GLOO), tmp_path, stage=stage))

@@ -31,6 +31,7 @@ import numpy as np
 
 from laminar_core import (
     BUCKET_HEADER_BYTES,
+    Alloc,
     Bucket,
     BuildContext,
     TransportError,
@@ -302,7 +303,7 @@ class NixlTransport(WeightTransport):
 
         return await self._wait(take(), f"data from peer {peer}")
 
-    async def recv(self, peer: int) -> Bucket:
+    async def recv(self, peer: int, alloc: Alloc | None = None) -> Bucket:
         self._name(peer)
         inbound = self._inbound(peer)
         if not inbound.started:
@@ -312,7 +313,7 @@ class NixlTransport(WeightTransport):
         version, index, nbytes, crc, payload = decode_bucket_header(header)
         if payload < 0:
             return Bucket(version, index, nbytes, crc, None)
-        buf = bytearray(payload)
+        buf = alloc(payload) if alloc is not None and payload else bytearray(payload)
         view = memoryview(buf)
         got = 0
         while True:

@@ -38,9 +38,12 @@ def test_nixl_transport_conformance() -> None:
     asyncio.run(check_transport(lambda rank: NixlTransport(OPTS)))
 
 
-def test_chain_of_three_relay_processes(tmp_path) -> None:
-    asyncio.run(check_relay_chain(partial(NixlTransport, OPTS), tmp_path, relays=3, env=UCX))
+@pytest.mark.parametrize("stage", [False, True], ids=["streamed", "staged"])
+def test_chain_of_three_relay_processes(tmp_path, stage: bool) -> None:
+    make = partial(NixlTransport, OPTS)
+    asyncio.run(check_relay_chain(make, tmp_path, relays=3, env=UCX, stage=stage))
 
 
-def test_relay_and_master_crashes(tmp_path) -> None:
-    asyncio.run(check_relay_faults(partial(NixlTransport, OPTS), tmp_path, env=UCX))
+@pytest.mark.parametrize("stage", [False, True], ids=["streamed", "staged"])
+def test_relay_and_master_crashes(tmp_path, stage: bool) -> None:
+    asyncio.run(check_relay_faults(partial(NixlTransport, OPTS), tmp_path, env=UCX, stage=stage))
