@@ -105,6 +105,10 @@ class RelayConfig:
     max_chunks: int = 4096  # upper bound on k*
     shm_dir: str = "/dev/shm/laminar"  # where relays share versions with their node's rollouts
     timeout_s: float = 600.0  # a broadcast (or repair) that takes longer is called off
+    # Real weights: copy each version into host buffers and let the trainer resume at once
+    # (its stall is that copy; the push to the master runs in the background). false: the
+    # trainer waits until the master relay holds the version (no extra host copy).
+    stage_push: bool = True
 
 
 @dataclass
