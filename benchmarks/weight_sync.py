@@ -3,16 +3,17 @@
 Prints, in one run on this machine:
   (a) raw loopback bandwidth of the medium: a plain TCP socket between two processes, and a
       memcpy (what the shared-memory/RDMA path is bounded by on one host);
-  (b) chain broadcast of the model (default 1 GiB) to 2, 4 and 8 relay processes per transport,
+  (b) chain broadcast of the model (default 1 GiB) to 1, 2, 4 and 8 relay processes per transport,
       as a fraction of (a) — ``fraction_of_link`` = (M / T) / socket bandwidth, the paper's
       measure, and ``aggregate_fraction`` = (p·M / T) / socket bandwidth, the bytes every hop
       moved (on one machine all hops share its cores and memory bus, on a cluster each hop
       has its own link);
-  (c) the trainer's stall (until the master holds the version) against the relay count;
+  (c) the trainer's stall against the relay count: with the staged push (the default) until
+      the version is copied to host memory, and until the master relay holds it;
   (d) chunked pipeline vs unchunked: the latency model's predicted time beside the measured.
 
-    python benchmarks/weight_sync.py [--mb 1024] [--relays 2 4 8] [--transports nccl rdma]
-                                     [--json FILE]
+    python benchmarks/weight_sync.py [--mb 1024] [--relays 1 2 4 8] [--transports nccl rdma]
+                                     [--slot-mb 32] [--json FILE]
 
 ``--json`` writes the same figures; the keys (per transport and relay count: ``bytes``,
 ``seconds``, ``fraction_of_link``, ``trainer_stall_seconds``) are kept stable for scripts.
@@ -97,7 +98,7 @@ def memcpy_gbps(nbytes: int = 256 << 20) -> float:
 # --- (b)-(d) the chain ----------------------------------------------------------------------------
 
 
-def transport_factory(name: str):
+def transport_factory(name: str, slot_mb: float = 32.0):
     if name == "nccl":
         from laminar_nccl import NcclOptions, TorchDistTransport
 
@@ -105,7 +106,7 @@ def transport_factory(name: str):
     if name == "rdma":
         from laminar_rdma import NixlOptions, NixlTransport
 
-        return partial(NixlTransport, NixlOptions(slots=8, slot_mb=8, timeout_s=600))
+        return partial(NixlTransport, NixlOptions(slots=8, slot_mb=slot_mb, timeout_s=600))
     raise SystemExit(f"unknown transport {name!r} (nccl, rdma)")
 
 
@@ -116,13 +117,15 @@ def model(total: int, version: int) -> list[tuple[str, torch.Tensor]]:
             for i in range(n)]
 
 
-async def broadcast(name: str, relays: int, total: int, chunks: int | None) -> dict:
-    """Spawn ``relays`` relay processes, publish one version, measure; ``chunks=None``: k*."""
-    factory = transport_factory(name)
+async def broadcast(name: str, relays: int, total: int, chunks: int | None, stage: bool = True,
+                    slot_mb: float = 32.0) -> dict:
+    """Spawn ``relays`` relay processes, publish versions, measure the steady state;
+    ``chunks=None``: k*. ``stage``: the staged push (``relay.stage_push``, the default)."""
+    factory = transport_factory(name, slot_mb)
     env = {"OMP_NUM_THREADS": "1", **UCX_ENV}
     hosts = [RelayProcess(i, i, i + 1, factory, env=env) for i in range(relays)]
     tier = RelayTier(hosts=hosts, trainer_transport=factory(), chunks=chunks or 0,
-                     calibrate=chunks is None, timeout_s=900)
+                     calibrate=chunks is None, timeout_s=900, stage=stage)
     try:
         await tier.open()
         link = tier.link or await tier.calibrate()
@@ -147,6 +150,8 @@ async def broadcast(name: str, relays: int, total: int, chunks: int | None) -> d
             "seconds": seconds,
             "first_version_seconds": timings[0],
             "trainer_stall_seconds": res.stall_seconds,
+            "master_seconds": res.master_seconds,  # until the master held it
+            "staged": stage,
             "chunks": res.buckets,
             "t_byte": t_byte,
             "t_start": t_start,
@@ -162,9 +167,10 @@ async def broadcast(name: str, relays: int, total: int, chunks: int | None) -> d
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--mb", type=float, default=1024, help="model size in MiB (default 1 GiB)")
-    ap.add_argument("--relays", type=int, nargs="+", default=[2, 4, 8])
+    ap.add_argument("--relays", type=int, nargs="+", default=[1, 2, 4, 8])
     ap.add_argument("--transports", nargs="+", default=["nccl", "rdma"])
     ap.add_argument("--pipeline-relays", type=int, default=4, help="relays for (d)")
+    ap.add_argument("--slot-mb", type=float, default=32.0, help="relay.rdma.slot_mb for NIXL")
     ap.add_argument("--json", type=Path, help="write the figures here as JSON")
     args = ap.parse_args()
     total = int(args.mb * (1 << 20))
@@ -182,29 +188,38 @@ def main() -> None:
         out["transports"][name] = {}
         for p in args.relays:
             say(f"  ... {name}: {p} relays")
-            r = asyncio.run(broadcast(name, p, total, None))
+            r = asyncio.run(broadcast(name, p, total, None, slot_mb=args.slot_mb))
             gbps = r["bytes"] / r["seconds"] / 1e9
             r["fraction_of_link"] = gbps / sock
+            # every one of the p hops (trainer -> master included) moved the model
             r["aggregate_fraction"] = p * gbps / sock
             out["transports"][name][str(p)] = r
             rows.append([name, str(p), str(r["chunks"]), f"{r['seconds']:.2f}",
-                         f"{r['predicted_seconds']:.2f}", f"{gbps:.2f}",
-                         f"{r['fraction_of_link']:.2f}", f"{r['aggregate_fraction']:.2f}"])
-        base = out["transports"][name][str(args.relays[0])]["trainer_stall_seconds"]
+                         f"{r['first_version_seconds']:.2f}", f"{r['predicted_seconds']:.2f}",
+                         f"{gbps:.2f}", f"{r['fraction_of_link']:.2f}",
+                         f"{r['aggregate_fraction']:.2f}"])
+        first = out["transports"][name][str(args.relays[0])]
         for p in args.relays:
-            s = out["transports"][name][str(p)]["trainer_stall_seconds"]
-            stall_rows.append([name, str(p), f"{s:.3f}", f"{s / base:.2f}x"])
-    say(f"\n(b) chain broadcast of {total / GiB:.2f} GiB, chunks from k* with the measured link")
-    say(table(rows, ["transport", "relays", "k", "seconds", "model s", "GB/s",
+            r = out["transports"][name][str(p)]
+            stall, master = r["trainer_stall_seconds"], r["master_seconds"] or float("nan")
+            stall_rows.append([name, str(p), f"{stall:.3f}",
+                               f"{stall / first['trainer_stall_seconds']:.2f}x",
+                               f"{master:.3f}", f"{master / first['master_seconds']:.2f}x"])
+    say(f"\n(b) chain broadcast of {total / GiB:.2f} GiB (steady state: the third version; "
+        "'first s': the first), chunks from k* with the measured link")
+    say(table(rows, ["transport", "relays", "k", "seconds", "first s", "model s", "GB/s",
                      "fraction_of_link", "aggregate_fraction"]))
-    say("\n(c) trainer stall (until the master holds the version)")
-    say(table(stall_rows, ["transport", "relays", "stall s", f"vs {args.relays[0]} relays"]))
+    base = args.relays[0]
+    say("\n(c) trainer stall: staged push (the default; until the version is copied to host "
+        "memory and the trainer may resume) and until the master relay holds it")
+    say(table(stall_rows, ["transport", "relays", "stall s", f"vs {base}", "master holds s",
+                           f"vs {base}"]))
 
     name, p = args.transports[0], args.pipeline_relays
-    say(f"\n(d) pipelined vs unchunked: {name}, {p} relays")
+    say(f"\n(d) pipelined vs unchunked: {name}, {p} relays, streamed push (no staging copy)")
     prow, pipe = [], []
     for chunks in (1, None):
-        r = asyncio.run(broadcast(name, p, total, chunks))
+        r = asyncio.run(broadcast(name, p, total, chunks, stage=False))
         pipe.append({"chunks": r["chunks"], "measured_seconds": r["seconds"],
                      "predicted_seconds": r["predicted_seconds"]})
         prow.append(["unchunked" if chunks == 1 else "k* (model)", str(r["chunks"]),
