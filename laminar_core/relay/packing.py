@@ -35,6 +35,18 @@ def _tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
 
 
+def _device_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A device tensor's bytes as a flat uint8 tensor on its device (copied to host slice by
+    slice, straight into the bucket buffers: no intermediate host copy)."""
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _host_buffer(nbytes: int, pin: bool) -> memoryview:
+    if pin:  # page-locked: the GPU -> host copy runs at full PCIe speed
+        return memoryview(torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy())
+    return memoryview(bytearray(nbytes))
+
+
 class BucketPacker:
     """Iterate ``buckets()`` first; ``manifest`` is complete once it is exhausted.
 
@@ -57,6 +69,7 @@ class BucketPacker:
         ring: list[memoryview] | None = None,
         ring_size: int = 3,
         views: bool = True,
+        pin: bool = False,
     ) -> None:
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be >= 1 (got {bucket_bytes})")
@@ -66,6 +79,7 @@ class BucketPacker:
         self.reuse = reuse
         self.ring_size = max(1, ring_size)
         self.views = views
+        self.pin = pin  # page-locked buffers (a GPU trainer's staging)
         self._ring: list[memoryview] = ring if ring is not None else []
         if any(len(b) != bucket_bytes for b in self._ring):  # the chunk size changed
             self._ring.clear()
@@ -82,9 +96,9 @@ class BucketPacker:
 
     def _buffer(self) -> memoryview:
         if not self.reuse:
-            return memoryview(bytearray(self.bucket_bytes))
+            return _host_buffer(self.bucket_bytes, self.pin)
         if len(self._ring) < self.ring_size:
-            self._ring.append(memoryview(bytearray(self.bucket_bytes)))
+            self._ring.append(_host_buffer(self.bucket_bytes, self.pin))
             self._turn = len(self._ring) - 1
         else:
             self._turn = (self._turn + 1) % self.ring_size
@@ -125,17 +139,22 @@ class BucketPacker:
                     fill -= size
                     yield self._emit(None, size)
                 continue
-            view = _tensor_bytes(t)
+            on_host = t.device.type == "cpu"
+            view = _tensor_bytes(t) if on_host else _device_bytes(t)
             pos = 0
             while pos < nbytes:
-                if self.views and fill == 0 and nbytes - pos >= size:  # inside this tensor
-                    yield self._emit(view[pos : pos + size], size)
+                if self.views and on_host and fill == 0 and nbytes - pos >= size:
+                    yield self._emit(view[pos : pos + size], size)  # inside this tensor
                     pos += size
                     continue
                 if buf is None:
                     buf = self._buffer()
                 take = min(size - fill, nbytes - pos)
-                buf[fill : fill + take] = view[pos : pos + take]
+                if on_host:
+                    buf[fill : fill + take] = view[pos : pos + take]  # type: ignore[index]
+                else:
+                    dst = torch.frombuffer(buf[fill : fill + take], dtype=torch.uint8)
+                    dst.copy_(view[pos : pos + take])  # type: ignore[index]
                 fill += take
                 pos += take
                 if fill == size:

@@ -401,7 +401,14 @@ class RelayTier:
         chunk = self.chunk_bytes(model_bytes)
         count = math.ceil(model_bytes / chunk)
         packer = BucketPacker(
-            export, version, chunk, reuse=True, ring=self._staging, ring_size=count, views=False
+            export,
+            version,
+            chunk,
+            reuse=True,
+            ring=self._staging,
+            ring_size=count,
+            views=False,
+            pin=first[1].device.type == "cuda",
         )
 
         def run() -> list[Bucket]:
