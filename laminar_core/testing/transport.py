@@ -23,6 +23,10 @@ async def check_transport(
     that a phantom bucket (no bytes), an empty one and a truncated one (fewer bytes than it
     announces) arrive as sent, so the receiver's checks see what the sender sent; and that
     after ``connect`` drops a member the others still talk (a rebuilt chain: 0 -> 2).
+
+    The memory contract too: the sender overwrites each bucket's buffer as soon as ``send``
+    returned (senders recycle their buffers), and the middle endpoint receives with an
+    ``alloc`` (relays hand out recycled buffers) and forwards straight from what it got.
     """
     eps = []
     for rank in range(3):
@@ -49,13 +53,25 @@ async def check_transport(
 
     async def sender() -> None:
         for b in buckets:
-            await eps[0].send(b, 1)
+            if not b.data:
+                await eps[0].send(b, 1)
+                continue
+            scratch = bytearray(b.data)
+            await eps[0].send(Bucket(b.version, b.index, b.nbytes, b.checksum, scratch), 1)
+            scratch[:] = b"\xee" * len(scratch)  # recycled the moment send returned
+
+    handed: list[memoryview] = []
+
+    def alloc(nbytes: int) -> memoryview:
+        handed.append(memoryview(bytearray(nbytes)))
+        return handed[-1]
 
     async def relay() -> list[Bucket]:
         got = []
         for _ in buckets:
-            b = await eps[1].recv(0)
-            got.append(b)
+            b = await eps[1].recv(0, alloc)
+            got.append(Bucket(b.version, b.index, b.nbytes, b.checksum,
+                              None if b.data is None else bytes(b.data)))
             await eps[1].send(b, 2)
         return got
 
