@@ -23,12 +23,13 @@ import logging
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from laminar_core.buffers import ExperienceBuffer, InFlight, PartialPool, PromptPool
 from laminar_core.interfaces import RepackPolicy, ReplicaFailure, RolloutEngine
 from laminar_core.loop.schedules import Schedule
-from laminar_core.relay.node import NodeRelay
 from laminar_core.relay.packing import unpack
+from laminar_core.relay.shm import SharedVersionGone
 from laminar_core.telemetry import EventLog
 from laminar_core.types import (
     FinishReason,
@@ -58,6 +59,31 @@ class ManagerOptions:
     partial_sync_s: float = 5.0  # 0: the pool learns partial outputs only on abort
 
 
+class NodeRelayLike(Protocol):
+    """What the manager needs of a replica's node relay: a ``NodeRelay`` in this process,
+    or a view of one hosted on the replica's node (``relay.view.SharedRelayView``)."""
+
+    relay_id: int
+    node: int
+    listeners: list[Callable[[int], None]]  # called with each new version
+
+    @property
+    def version(self) -> int: ...
+
+    async def wait_newer(self, version: int) -> int: ...
+
+
+def relay_weights(relay: Any) -> tuple[int, Any]:
+    """``(version, named tensors)`` of the relay's newest version, for a replica's
+    ``update_weights``: the relay's own ``weights()`` when it has one (a view of a remote
+    relay answers with a reference the replica loads on its node), else its buckets."""
+    weights = getattr(relay, "weights", None)
+    if weights is not None:
+        return weights()
+    data = relay.read()
+    return data.version, unpack(data.manifest, data.buckets)
+
+
 @dataclass(eq=False)
 class ReplicaSlot:
     """The manager's view of one replica."""
@@ -65,7 +91,7 @@ class ReplicaSlot:
     replica_id: str
     index: int
     engine: RolloutEngine
-    relay: NodeRelay
+    relay: NodeRelayLike
     version: int = 0
     alive: bool = True
     updating: bool = False
@@ -321,7 +347,7 @@ class RolloutManager:
         self._kick()
 
     # -- weights -----------------------------------------------------------------------------
-    def _relay_listener(self, relay: NodeRelay) -> Callable[[int], None]:
+    def _relay_listener(self, relay: NodeRelayLike) -> Callable[[int], None]:
         def on_commit(version: int) -> None:
             for s in self.slots:
                 if s.relay is relay and s.alive and version > s.version:
@@ -348,22 +374,30 @@ class RolloutManager:
         t0 = self.now()
         # what the other replicas are generating meanwhile: nobody waits for this pull
         others = sum(len(s.inflight) for s in self.slots if s is not slot and s.alive)
-        data = slot.relay.read()
+        version, tensors = relay_weights(slot.relay)
         try:
-            await slot.engine.update_weights(data.version, unpack(data.manifest, data.buckets))
+            await slot.engine.update_weights(version, tensors)
         except ReplicaFailure as e:
             slot.updating = False
             self._replica_failed(slot, str(e))
             return
-        slot.version = data.version
+        except SharedVersionGone as e:
+            # the node's relay replaced the version before the replica mapped it (two newer
+            # ones arrived meanwhile): nothing was loaded; pull the relay's newest instead
+            log.warning("replica %s: %s; pulling again", slot.replica_id, e)
+            slot.updating = False
+            slot.wake.set()
+            return
+        slot.version = version
         slot.updating = False
         self.events.record(
             self.now(),
             "weight_pull",
             slot.replica_id,
             duration=self.now() - t0,
-            version=data.version,
+            version=version,
             others_inflight=others,
+            node_local=bool(getattr(tensors, "node_local", False)),
         )
         if slot.relay.version > slot.version:
             slot.wake.set()  # an even newer one arrived meanwhile

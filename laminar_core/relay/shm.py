@@ -7,14 +7,22 @@ engine loads them. Layout per relay: ``<root>/relay<id>/v<version>.bin`` (the bu
 end), ``v<version>.json`` (the manifest) and ``current`` (the newest complete version).
 The last ``keep`` versions stay on disk so a reader that just read the pointer can still
 open its file; a file already mapped survives deletion.
+
+``SharedWeights(root, relay_id, version)`` is what a driver hands a replica instead of
+tensors: a small picklable reference that maps exactly that version when the replica iterates
+it (in the replica's own process), so the weights never cross the network or Ray's object
+store on their way from the node's relay to its rollouts.
 """
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
+import shutil
 import warnings
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -74,17 +82,39 @@ def shared_version(root: str | os.PathLike, relay_id: int) -> int:
         return -1
 
 
+class SharedVersionGone(LookupError):
+    """The relay's shared memory no longer holds the version asked for (newer ones replaced
+    it); load the relay's current version instead."""
+
+
+def relay_dir(root: str | os.PathLike, relay_id: int) -> Path:
+    """Where relay ``relay_id`` shares its versions under ``root``."""
+    return _dir(root, relay_id)
+
+
+def remove_shared(root: str | os.PathLike, relay_id: int) -> None:
+    """Delete relay ``relay_id``'s shared versions (tmpfs is RAM: do it when the relay
+    closes), and ``root`` too if nothing else is left in it. Readers that mapped a file keep
+    their mapping."""
+    shutil.rmtree(_dir(root, relay_id), ignore_errors=True)
+    with contextlib.suppress(OSError):  # only if empty: other relays may still share there
+        Path(root).rmdir()
+
+
 def load_shared(
-    root: str | os.PathLike, relay_id: int, retries: int = 3
+    root: str | os.PathLike, relay_id: int, retries: int = 3, version: int | None = None
 ) -> tuple[WeightManifest, Iterator[tuple[str, torch.Tensor]]]:
-    """Map the relay's current version: ``(manifest, named tensors)``.
+    """Map the relay's current version (or exactly ``version``): ``(manifest, named tensors)``.
 
     Tensors are copy-on-write views of the mapped file (writes stay private to the reader).
-    Raises ``LookupError`` if the relay shares no version yet.
+    Raises ``LookupError`` if the relay shares no version yet (or not ``version`` yet), and
+    ``SharedVersionGone`` if ``version`` was already replaced by newer ones and deleted.
+    The files are opened before this returns: an error never comes half-way through the
+    tensors.
     """
     d = _dir(root, relay_id)
     for _ in range(retries):
-        v = shared_version(root, relay_id)
+        v = shared_version(root, relay_id) if version is None else version
         if v < 0:
             raise LookupError(f"relay {relay_id} shares no version under {d} yet")
         try:
@@ -94,11 +124,24 @@ def load_shared(
                 mm = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) if size else None
             break
         except FileNotFoundError:  # pruned between reading the pointer and opening: retry
-            continue
+            if version is None:
+                continue
+            current = shared_version(root, relay_id)
+            if current > version:
+                raise SharedVersionGone(
+                    f"relay {relay_id} no longer shares version {version} under {d}: it was "
+                    f"replaced by newer versions (current {current}); load the current one"
+                ) from None
+            raise LookupError(
+                f"relay {relay_id} does not share version {version} under {d} yet "
+                f"(current {current})"
+            ) from None
     else:
         raise LookupError(f"relay {relay_id}: version files under {d} keep disappearing")
     if manifest.total_bytes != size:
         raise ValueError(f"{d / f'v{v}.bin'} is {size} bytes, manifest says {manifest.total_bytes}")
+    if version is not None and manifest.version != version:
+        raise ValueError(f"{d / f'v{v}.json'} holds version {manifest.version}, not {version}")
 
     def gen() -> Iterator[tuple[str, torch.Tensor]]:
         for spec in manifest.tensors:
@@ -115,3 +158,32 @@ def load_shared(
             yield spec.name, raw.view(dtype).reshape(spec.shape)
 
     return manifest, gen()
+
+
+@dataclass(frozen=True)
+class SharedWeights:
+    """Exactly ``version`` of relay ``relay_id``'s shared weights under ``root``, as an
+    iterable of ``(name, tensor)`` that maps the file only when iterated.
+
+    A driver gives this to a replica's ``update_weights`` in place of tensors (it pickles to
+    a few bytes); the replica's process iterates it and gets copy-on-write views of the
+    node's file. It loads that version or fails: a version the relay does not share yet
+    raises ``LookupError``, one already replaced by newer versions raises
+    ``SharedVersionGone``; it never loads another version in its place, because the caller
+    records the version it asked for as the one the replica holds. The error comes before
+    the first tensor, so the engine's weights are untouched.
+    """
+
+    root: str
+    relay_id: int
+    version: int
+    node_local = True  # a reference any process on the node can load: pass it on, as is
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        _manifest, tensors = load_shared(self.root, self.relay_id, version=self.version)
+        return tensors
+
+    @property
+    def path(self) -> Path:
+        """The version's file (the buckets end to end)."""
+        return _dir(self.root, self.relay_id) / f"v{self.version}.bin"

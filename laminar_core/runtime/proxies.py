@@ -58,7 +58,13 @@ class RayRolloutEngine(RolloutEngine):
     async def update_weights(
         self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]] | None
     ) -> None:
-        # One object in Ray's shared-memory store per version and replica; the actor maps it.
+        if getattr(named_tensors, "node_local", False):
+            # a reference to the replica's node relay's shared memory (``SharedWeights``):
+            # a few bytes here, the replica maps the weights on its own node
+            await self._call("update_weights", version, named_tensors)
+            return
+        # Driver-side relays: one object in Ray's shared-memory store per version and
+        # replica; the actor maps it.
         tensors = None if named_tensors is None else ray.put(list(named_tensors))
         await self._call("update_weights", version, tensors)
 
