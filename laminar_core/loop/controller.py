@@ -74,9 +74,17 @@ class Controller:
         self._republish = False  # after a restore: replicas must get the restored weights
 
     async def _export(self):
-        """Rank 0's weights; a proxy over remote ranks exports asynchronously."""
+        """Rank 0's weights; a proxy over remote ranks exports asynchronously.
+
+        An export that arrived whole (a list: a remote trainer's, through Ray) is handed to
+        the tier as a callable, so a master relay that dies mid-push is replaced and the
+        version replayed to the new master instead of failing the step.
+        """
         exported = self.trainers[0].export_weights()
-        return await exported if inspect.isawaitable(exported) else exported
+        exported = await exported if inspect.isawaitable(exported) else exported
+        if isinstance(exported, list | tuple):
+            return lambda: exported
+        return exported
 
     async def save_checkpoint(self) -> Path:
         """Trainer state on every rank, then the loop's state, then the ``latest`` marker."""
