@@ -1,11 +1,15 @@
 """Real training end to end: Ray actors, FSDP2 (2 gloo ranks), vLLM (2 replicas), relay,
 repack, rewards, checkpoints -- under the ``laminar`` schedule, on the tiny local model.
 
+The relay is the node's relay actor on the ``nccl`` transport (gloo on CPU): the driver
+pushes each version to it over torch.distributed, it writes the version into /dev/shm, and
+the replicas load it from there.
+
 One run of a few steps is inspected for the loop's promises (versions advance, replicas pull
-while the other keeps generating, repack moves trajectories between real replicas and they
-finish, vLLM's log-probs agree with the trainer's recompute, nothing lost or duplicated);
-then its actors are killed without a goodbye and a new run resumes from the step-2
-checkpoint.
+while the other keeps generating, weights reach replicas through the relay's shared memory,
+repack moves trajectories between real replicas and they finish, vLLM's log-probs agree with
+the trainer's recompute, nothing lost or duplicated); then its actors are killed without a
+goodbye and a new run resumes from the step-2 checkpoint.
 
 Needs laminar-fsdp and laminar-vllm (scripts/install.sh installs both); without them the
 module is skipped, unless LAMINAR_REQUIRE_REAL=1 (CI) makes that a failure.
@@ -66,6 +70,7 @@ def _config(model: Path, out: Path, *extra: str):
             "repack.interval_s=0.2",
             "repack.batch_limit=64",
             "telemetry.progress=false",
+            "relay.transport=nccl",
             *extra,
         ],
     )
@@ -125,6 +130,29 @@ def test_each_replica_pulls_while_the_other_generates(first_run):
         assert len(got) >= 2  # each replica refreshed more than once
     # no barrier: replicas refresh one at a time, the other one generating meanwhile
     assert any(f["others_inflight"] > 0 for got in by_replica.values() for f in got), by_replica
+
+
+def test_replicas_load_weights_from_the_relay_actors_shared_memory(first_run):
+    from laminar_core.relay.view import SharedRelayView
+
+    _, _, run, _ = first_run
+    hosts = run.shared["ray"]["relays"]
+    assert len(hosts) == len(run.relays) == 1  # one node: one relay actor, one view
+    view = run.relays[0]
+    assert isinstance(view, SharedRelayView) and view.version == 3
+    assert all(s.relay is view for s in run.manager.slots)
+    # the relay actor received every version over the transport and wrote it to /dev/shm
+    root = Path(run.shared["ray"]["shm_root"])
+    shared = hosts[0].shared
+    assert sorted(shared) == [1, 2, 3]
+    for v, rec in shared.items():
+        assert rec["path"] == str(root / "relay0" / f"v{v}.bin")
+        assert rec["bytes"] == rec["manifest_bytes"] == run.tier.history[-1].bytes > 0
+    assert [r.version for r in run.tier.history] == [1, 2, 3]
+    # every pull handed the replica a reference to that file, not tensors
+    pulls = [f for _t, kind, _a, _d, f in run.events.events if kind == "weight_pull"]
+    assert pulls and all(f["node_local"] for f in pulls)
+    assert not root.exists()  # the relay deleted its versions when the run closed it
 
 
 def test_no_trajectory_lost_or_duplicated(first_run):
@@ -211,6 +239,10 @@ def test_checkpoint_kill_resume_continues_from_the_saved_step(first_run, resumed
     run, run_dir = resumed_run
     rows = _rows(run_dir)
     assert [r["step"] for r in rows] == [2, 3, 4]
+    # the restored version went to the new run's relay actor, and from it to the replicas
+    assert sorted(run.shared["ray"]["relays"][0].shared) == [2, 3, 4, 5]
+    pulls = [f for _t, kind, _a, _d, f in run.events.events if kind == "weight_pull"]
+    assert pulls and all(f["node_local"] for f in pulls)
     assert [r["weight_version"] for r in rows] == [3, 4, 5]
     # replicas started from the restored version 2, not the base model
     first_versions = {t.version for t in run.controller.batches[0].trajectories}

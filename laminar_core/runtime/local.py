@@ -10,13 +10,20 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from laminar_core.buffers import ExperienceBuffer, PromptPool
 from laminar_core.buffers.prompts import Prompt
 from laminar_core.config.loader import ResolvedConfig, make_schedule
 from laminar_core.interfaces import BuildContext, RolloutEngine, TrainerEngine, build
 from laminar_core.loop.controller import Controller
-from laminar_core.loop.manager import ManagerOptions, ReplicaSlot, RewardFn, RolloutManager
+from laminar_core.loop.manager import (
+    ManagerOptions,
+    NodeRelayLike,
+    ReplicaSlot,
+    RewardFn,
+    RolloutManager,
+)
 from laminar_core.loop.schedules import Schedule
 from laminar_core.plugins import PluginManager, default_manager
 from laminar_core.relay.node import NodeRelay
@@ -43,6 +50,23 @@ class LocalRun:
     events: EventLog
     run_dir: Path | None = None
     shared: dict = field(default_factory=dict)
+    relays: list[NodeRelayLike] = field(default_factory=list)  # per node, what replicas read
+
+
+def relay_tier_options(resolved: ResolvedConfig) -> dict[str, Any]:
+    """``RelayTier`` keyword arguments from ``relay.*`` (chunking, link, bounds).
+
+    ``t_byte_s``/``t_start_s`` (both > 0) fix the link the chunk count is derived from;
+    ``calibrate`` is left to the caller (it measures a real trainer -> master link).
+    """
+    r = resolved.cfg.relay
+    return {
+        "bucket_bytes": max(1, int(r.bucket_mb * (1 << 20))),
+        "chunks": r.chunks,
+        "link": (r.t_byte_s, r.t_start_s) if r.t_byte_s > 0 and r.t_start_s > 0 else None,
+        "max_chunks": r.max_chunks,
+        "timeout_s": r.timeout_s,
+    }
 
 
 def build_dataset(resolved: ResolvedConfig, tokenizer=None):
@@ -108,11 +132,18 @@ def assemble(
     run_dir: Path | None = None,
     reward_fn: RewardFn | None = None,
     record_events: bool | None = None,
+    tier: RelayTier | None = None,
+    relays: Sequence[NodeRelayLike] | None = None,
 ) -> LocalRun:
     """Wire the loop (relays, buffers, manager, controller) around built engines.
 
     The engines may be local objects or proxies over remote actors: the loop only awaits
     their methods. ``dataset`` defaults to ``data.source`` without a tokenizer.
+
+    Without ``tier`` the node relays are ``NodeRelay`` objects in this process, chained by
+    ``relay.transport`` endpoints of this process. A runtime that hosts relays elsewhere
+    passes its own ``tier`` and ``relays``: one per node (index ``place.replica_node[i]``),
+    each what that node's replicas watch and load from (e.g. ``relay.view.SharedRelayView``).
     """
     cfg = resolved.cfg
     events = EventLog(enabled=cfg.telemetry.events if record_events is None else record_events)
@@ -120,14 +151,17 @@ def assemble(
     def ctx(section: str, index: int, name: str, gpus: int) -> BuildContext:
         return BuildContext(cfg, resolved.engine_options.get(section), index, name, gpus, shared)
 
-    relays = [NodeRelay(n, n) for n in range(place.nodes)]
-    transport_cls = pm.get("transport", cfg.relay.transport)
-    tier = RelayTier(
-        relays,
-        lambda rank: build(transport_cls, ctx("relay", rank, f"ep{rank}", 1)),
-        bucket_bytes=max(1, int(cfg.relay.bucket_mb * (1 << 20))),
-        chunks=cfg.relay.chunks,
-    )
+    if tier is None:
+        local_relays = [NodeRelay(n, n) for n in range(place.nodes)]
+        relays = local_relays
+        transport_cls = pm.get("transport", cfg.relay.transport)
+        tier = RelayTier(
+            local_relays,
+            lambda rank: build(transport_cls, ctx("relay", rank, f"ep{rank}", 1)),
+            **relay_tier_options(resolved),
+        )
+    elif relays is None or len(relays) != place.nodes:
+        raise ValueError(f"a prebuilt relay tier needs one relay view per node ({place.nodes})")
     sampler = schedule.sampler if cfg.buffer.sampler == "auto" else cfg.buffer.sampler
     buffer = ExperienceBuffer(sampler)
     prompts = PromptPool(
@@ -185,4 +219,5 @@ def assemble(
         events,
         run_dir,
         shared,
+        list(relays),
     )

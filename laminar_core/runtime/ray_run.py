@@ -1,19 +1,32 @@
-"""The Ray runtime (``runtime.kind: ray``): trainer ranks and rollout replicas as Ray actors.
+"""The Ray runtime (``runtime.kind: ray``): trainer ranks, rollout replicas and node relays
+as Ray actors.
 
 With no ``runtime.address`` a local cluster starts in this process (``ray.init()``: the
 embedded default, one laptop or CI); ``auto`` or ``ray://host:port`` joins a running one.
 One placement group reserves a bundle per trainer rank and per replica (CPUs/GPUs from
-``runtime.*``). The driver runs the controller, the rollout manager, the buffers and one
-node relay per Ray node that hosts replicas, and talks to the actors through the proxies in
-``runtime.proxies``: the loop code is the same one the local runtime and the simulator run.
+``runtime.*``). The driver runs the controller, the rollout manager and the buffers, and
+talks to the actors through the proxies in ``runtime.proxies``: the loop code is the same one
+the local runtime and the simulator run.
+
+Relays: with a real ``relay.transport`` (``nccl``, ``rdma``) each Ray node that hosts
+replicas gets a relay actor (``runtime.relay_actor``, ``num_cpus=0``, pinned to the node)
+that receives every version over the transport, chains it on to the next node's relay, and
+writes it into the node's shared memory (``relay.shm_dir``, one subdirectory per run), where
+the node's replicas load it (``SharedWeights``): weights never cross the object store. The
+trainer's push endpoint is in the driver (rank 0 exports to the driver through Ray, the
+driver pushes to the master relay). With ``inprocess`` or ``sim`` the relays stay in the
+driver and each replica's weights travel through Ray's object store: fine on one machine.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import os
+import shutil
+import uuid
 from pathlib import Path
 
 import ray
@@ -21,13 +34,21 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from laminar_core.config.loader import ResolvedConfig, make_schedule
+from laminar_core.interfaces import BuildContext, build
 from laminar_core.models import model_dir
 from laminar_core.plugins import PluginManager, default_manager
+from laminar_core.relay.tier import RelayTier
+from laminar_core.relay.view import SharedRelayView
 from laminar_core.runtime.hosts import RolloutHost, TrainerHost
-from laminar_core.runtime.local import LocalRun, assemble
+from laminar_core.runtime.local import LocalRun, assemble, relay_tier_options
 from laminar_core.runtime.placement import Placement, plan_placement
 from laminar_core.runtime.proxies import RayRolloutEngine, RayTrainerGroup
+from laminar_core.runtime.relay_actor import spawn_relay
 from laminar_core.tasks import build_prompts, build_reward
+
+# Transports whose endpoints only work inside one process: their relays stay in the driver.
+DRIVER_TRANSPORTS = ("inprocess", "sim")
+_runs = itertools.count()
 
 # Threads per actor process: two engines sharing a core each must not spawn a pool per core.
 WORKER_ENV = {
@@ -147,11 +168,16 @@ async def build_ray_run(
     )
     group = RayTrainerGroup(trainers, init, {"seed": cfg.run.seed})
     engines = [RayRolloutEngine(f"r{i}", h) for i, h in enumerate(replicas)]
+    ray_state: dict = {"actors": trainers + replicas, "pg": pg, "relays": [], "shm_root": None}
+    tier = views = None
+    if cfg.relay.transport not in DRIVER_TRANSPORTS:
+        tier, views = _relay_actors(resolved, config_yaml, list(relay_of), ray_state, pm)
     try:
-        await group.setup()
+        await asyncio.gather(group.setup(), _relays_ready(ray_state, rt.start_timeout_s))
     except Exception as e:
-        _kill(trainers + replicas, pg)
-        raise RuntimeStartError(f"the trainer group failed to start: {e}") from e
+        _kill(ray_state["actors"], pg)
+        _remove_shm(ray_state)
+        raise RuntimeStartError(f"the trainer group or a relay failed to start: {e}") from e
     run = assemble(
         resolved,
         schedule,
@@ -159,18 +185,73 @@ async def build_ray_run(
         [group],
         engines,
         pm,
-        {"ray": {"actors": trainers + replicas, "pg": pg}, "data_report": report},
+        {"ray": ray_state, "data_report": report},
         dataset=dataset,
         run_dir=run_dir,
         reward_fn=reward_fn,
+        tier=tier,
+        relays=views,
     )
     return run
 
 
+def _relay_actors(
+    resolved: ResolvedConfig,
+    config_yaml: str,
+    node_ids: list[str],
+    ray_state: dict,
+    pm: PluginManager,
+) -> tuple[RelayTier, list[SharedRelayView]]:
+    """One relay actor per node (in ``node_ids`` order: relay ``i`` is chain rank ``i + 1``),
+    the driver's trainer endpoint, the tier over them, and one view per relay."""
+    cfg = resolved.cfg
+    # run-unique, so two runs on one node never share (or delete) each other's versions
+    shm_root = str(Path(cfg.relay.shm_dir) / f"{cfg.run.name}-{os.getpid()}-{next(_runs)}")
+    shm_root += f"-{uuid.uuid4().hex[:6]}"
+    ray_state["shm_root"] = shm_root
+    hosts, views = [], []
+    for i, node_id in enumerate(node_ids):
+        host = spawn_relay(config_yaml, i, i, i + 1, shm_root, node_id)
+        ray_state["actors"].append(host.handle)
+        view = SharedRelayView(i, i, shm_root, host.is_alive)
+        host.on_committed.append(view.committed)  # replicas stop admitting old work
+        host.on_shared.append(view.advance)  # replicas load it
+        hosts.append(host)
+        views.append(view)
+    ray_state["relays"] = hosts
+    trainer_transport = build(
+        pm.get("transport", cfg.relay.transport),
+        BuildContext(cfg, resolved.engine_options.get("relay"), 0, "trainer", 1, {}),
+    )
+    tier = RelayTier(
+        hosts=hosts,
+        trainer_transport=trainer_transport,
+        calibrate=cfg.relay.calibrate,
+        **relay_tier_options(resolved),
+    )
+    tier.on_ready.append(lambda rank, version: views[rank - 1].advance(version))
+    return tier, views
+
+
+async def _relays_ready(ray_state: dict, timeout_s: float) -> None:
+    hosts = ray_state["relays"]
+    if hosts:
+        await _with_timeout(asyncio.gather(*(h.handle.node_id.remote() for h in hosts)), timeout_s)
+
+
 def shutdown_ray_run(run: LocalRun) -> None:
+    """Kill the run's actors, free its placement group, and delete what its relays shared
+    on this node (a relay that closes deletes its own; one that was killed cannot)."""
     got = run.shared.get("ray")
     if got:
         _kill(got["actors"], got["pg"])
+        _remove_shm(got)
+
+
+def _remove_shm(ray_state: dict) -> None:
+    root = ray_state.get("shm_root")
+    if root:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def _kill(actors: list, pg) -> None:
