@@ -122,6 +122,9 @@ class Controller:
         await self.relays.open()
         if self._republish:
             await self.relays.publish(self.step, await self._export())
+            # nothing runs yet: let every relay hold the restored version, so no replica
+            # starts generating with the weights it loaded from disk
+            await self.relays.wait_broadcast()
             self._republish = False
         await self.manager.start()
         # wall_seconds count from here: engines started (vLLM start-up is not loop time)
@@ -156,7 +159,16 @@ class Controller:
         t2 = loop.time()
         self.step = version
         self.consumed_prompts.update(g.prompt_index for g in batch.groups)
-        self.manager.on_trainer_step(version, self.manager.consumed_groups + len(batch.groups))
+        consumed = self.manager.consumed_groups + len(batch.groups)
+        if pub.pushed is None or pub.pushed.done():
+            self.manager.on_trainer_step(version, consumed)
+        else:
+            # A staged push: the trainer resumes now, but the rollouts hear of the step once
+            # the master relay holds it (as without staging), so they do not fill up with
+            # work for the old version in the moment before the new one reaches them.
+            pub.pushed.add_done_callback(
+                lambda _f: self.manager.on_trainer_step(version, consumed)
+            )
         rewards = [t.reward for t in trajs if t.reward is not None]
         rec = StepRecord(
             step=step,

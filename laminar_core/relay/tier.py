@@ -20,7 +20,7 @@ import itertools
 import logging
 import math
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -88,6 +88,9 @@ class PublishResult:
     # background push gets there; None until then or if it never does)
     master_seconds: float | None = None
     error: str | None = None  # staged: why the background push failed (the relays keep theirs)
+    # staged: done once the background push ended (the master holds the version, or it
+    # failed: see ``error``); None when ``publish`` itself returned only then
+    pushed: asyncio.Future | None = field(default=None, repr=False, compare=False)
 
 
 class _Staged:
@@ -341,6 +344,7 @@ class RelayTier:
                     version, staged.bytes, len(staged.sizes), loop.time() - t0, self.master_rank
                 )
                 self._model_bytes = staged.bytes  # (the version counts once the master has it)
+                result.pushed = loop.create_future()
                 self.history.append(result)
                 self._track(self._push_staged(staged, result, t0))
                 return result
@@ -427,6 +431,13 @@ class RelayTier:
     async def _push_staged(self, staged: _Staged, result: PublishResult, t0: float) -> None:
         """Background: push a staged version to the master (replaying it to a new master if
         the old one dies), then wait for its broadcast."""
+        try:
+            await self._push_staged_once(staged, result, t0)
+        finally:
+            if result.pushed is not None and not result.pushed.done():
+                result.pushed.set_result(result.master_seconds is not None)
+
+    async def _push_staged_once(self, staged: _Staged, result: PublishResult, t0: float) -> None:
         version = result.version
         for _ in range(3):
             try:
@@ -441,6 +452,8 @@ class RelayTier:
                 return
             result.master_seconds, result.master_rank = res.stall_seconds, res.master_rank
             self._last_version = version
+            if result.pushed is not None and not result.pushed.done():
+                result.pushed.set_result(True)
             await finish
             return
         result.error = "no master took it after 3 attempts"

@@ -54,7 +54,7 @@ class LocalRun:
 
 
 def relay_tier_options(resolved: ResolvedConfig) -> dict[str, Any]:
-    """``RelayTier`` keyword arguments from ``relay.*`` (chunking, link, bounds).
+    """``RelayTier`` keyword arguments from ``relay.*`` (chunking, link, bounds, staging).
 
     ``t_byte_s``/``t_start_s`` (both > 0) fix the link the chunk count is derived from;
     ``calibrate`` is left to the caller (it measures a real trainer -> master link).
@@ -66,6 +66,7 @@ def relay_tier_options(resolved: ResolvedConfig) -> dict[str, Any]:
         "link": (r.t_byte_s, r.t_start_s) if r.t_byte_s > 0 and r.t_start_s > 0 else None,
         "max_chunks": r.max_chunks,
         "timeout_s": r.timeout_s,
+        "stage": r.stage_push,  # phantom (simulated) versions are never staged
     }
 
 
