@@ -21,6 +21,7 @@ from laminar_core.models import build_tiny_model, model_dir
 from laminar_core.plugins import hookimpl
 from laminar_core.relay import WeightIntegrityError, unpack
 from laminar_core.relay.packing import checksum as bucket_checksum
+from laminar_core.relay.shm import SharedVersionGone, SharedWeights, load_shared
 from laminar_core.relay.wire import HEADER_BYTES as BUCKET_HEADER_BYTES
 from laminar_core.relay.wire import decode_bucket_header, encode_bucket_header
 from laminar_core.tasks import DataError, DataReport, RewardError, build_prompts, build_reward
@@ -65,6 +66,8 @@ __all__ = [
     "RewardError",
     "RolloutEngine",
     "SamplingParams",
+    "SharedVersionGone",
+    "SharedWeights",
     "TensorSpec",
     "TrainBatch",
     "TrainerContext",
@@ -83,6 +86,7 @@ __all__ = [
     "encode_bucket_header",
     "hookimpl",
     "load_config",
+    "load_shared",
     "model_dir",
     "unpack",
 ]

@@ -36,6 +36,7 @@ from laminar_core import (
     PartialTrajectory,
     ReplicaFailure,
     RolloutEngine,
+    SharedWeights,
     Trajectory,
     model_dir,
 )
@@ -294,7 +295,14 @@ class VLLMRolloutEngine(RolloutEngine):
                 f"replica {self.replica_id}: update_weights with {len(self._live)} "
                 "trajectories in flight would mix weight versions inside one trajectory"
             )
-        if named_tensors is not None:
+        if isinstance(named_tensors, SharedWeights):
+            # The node relay's own file: every worker maps it (no copy of ours). Opening it
+            # here first makes a missing or replaced version fail before any worker loads.
+            iter(named_tensors)
+            ref = (named_tensors.root, named_tensors.relay_id, named_tensors.version)
+            await self._llm.collective_rpc("laminar_load_shared", args=ref)
+            await self._llm.reset_prefix_cache()
+        elif named_tensors is not None:
             from safetensors.torch import save_file
 
             tensors = {n: t.detach().contiguous().cpu() for n, t in named_tensors}

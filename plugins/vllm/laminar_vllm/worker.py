@@ -1,9 +1,11 @@
 """vLLM worker extension: loads a new weight version in place.
 
 vLLM mixes this class into each of its workers (``worker_extension_cls``); the engine calls
-``laminar_load_weights`` on all of them with ``collective_rpc``. The tensors arrive as a
-safetensors file in host shared memory rather than as RPC arguments: every worker on the node
-maps the same file (no copy per worker, nothing serialised through vLLM's RPC). vLLM's
+``laminar_load_weights`` / ``laminar_load_shared`` on all of them with ``collective_rpc``. The
+tensors arrive as a file in host shared memory rather than as RPC arguments: the node relay's
+own version file (``laminar_load_shared``), or a safetensors file the engine wrote (tensors
+handed over in memory); every worker on the node maps the same file (no copy per worker,
+nothing serialised through vLLM's RPC). vLLM's
 ``reload_weights`` runs the model's own loader, so fused and re-laid-out parameters (e.g.
 the CPU backend's packed linear weights) are rebuilt exactly as at start-up.
 """
@@ -17,6 +19,16 @@ class WeightLoader:
         from safetensors.torch import load_file
 
         tensors = load_file(path)
+        self.reload_weights(weights_iterator=iter(tensors.items()))
+        self._laminar_retie(tensors)
+        return len(tensors)
+
+    def laminar_load_shared(self, root: str, relay_id: int, version: int) -> int:
+        """Load ``version`` straight from the node relay's shared-memory file (tensors are
+        views of the mapped file; the loader copies them into the parameters)."""
+        from laminar_core import SharedWeights
+
+        tensors = dict(SharedWeights(root, relay_id, version))
         self.reload_weights(weights_iterator=iter(tensors.items()))
         self._laminar_retie(tensors)
         return len(tensors)

@@ -49,8 +49,15 @@ def _hf_logprobs(model, prompt: list[int], response: list[int]) -> torch.Tensor:
     return lp[len(prompt) - 1 :]
 
 
-def test_engine_lifecycle(model_dir):
+def test_engine_lifecycle(model_dir, tmp_path):
     from transformers import AutoModelForCausalLM
+
+    from laminar_core import SharedWeights
+    from laminar_core.relay import BucketPacker
+    from laminar_core.relay.node import VersionData
+    from laminar_core.relay.shm import SharedVersionStore
+
+    shm = tmp_path / "shm"
 
     async def main():
         eng = VLLMRolloutEngine("r0", model_dir, OPTS, model_dtype="float32")
@@ -101,11 +108,27 @@ def test_engine_lifecycle(model_dir):
             ref = _hf_logprobs(hf, PROMPT, u.response_ids)
             assert (ref - torch.tensor(u.logprobs)).abs().max().item() < 1e-4
 
+            # straight from a node relay's shared-memory file (the Ray runtime's path)
+            with torch.no_grad():
+                for param in hf.parameters():
+                    param.add_(torch.randn_like(param) * 0.05)
+            packer = BucketPacker(list(hf.named_parameters()), 2, 1 << 16)
+            buckets = list(packer.buckets())
+            SharedVersionStore(shm, 0).write(VersionData(packer.manifest, buckets))
+            await eng.update_weights(2, SharedWeights(str(shm), 0, 2))
+            u = await eng.generate(_req("e", 30))
+            ref = _hf_logprobs(hf, PROMPT, u.response_ids)
+            assert u.version == 2
+            assert (ref - torch.tensor(u.logprobs)).abs().max().item() < 1e-4
+            with pytest.raises(LookupError):  # a version the relay does not share: untouched
+                await eng.update_weights(3, SharedWeights(str(shm), 0, 3))
+            assert (await eng.stats()).version == 2
+
             # no update while a trajectory is in flight (it would mix versions)
             task = asyncio.ensure_future(eng.generate(_req("d", 200)))
             await asyncio.sleep(0.05)
             with pytest.raises(RuntimeError, match="in flight"):
-                await eng.update_weights(2, [])
+                await eng.update_weights(3, [])
             await eng.abort(["d"])
             await task
         finally:
