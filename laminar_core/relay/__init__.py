@@ -1,6 +1,6 @@
 """The relay tier: versioned node relays, the pipelined chain, packing and checksums."""
 
-from laminar_core.relay.host import RelayCancelled, RelayHost
+from laminar_core.relay.host import ForwardFailed, RelayCancelled, RelayHost
 from laminar_core.relay.inprocess import InProcessFabric, InProcessTransport
 from laminar_core.relay.latency import chain_latency, optimal_chunks
 from laminar_core.relay.node import NodeRelay, VersionData
@@ -11,6 +11,7 @@ from laminar_core.relay.tier import PublishResult, RelayTier, RelayUnavailable
 
 __all__ = [
     "BucketPacker",
+    "ForwardFailed",
     "InProcessFabric",
     "InProcessTransport",
     "NodeRelay",

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from laminar_core.interfaces import WeightTransport
+from laminar_core.interfaces import TransportError, WeightTransport
 from laminar_core.relay.node import NodeRelay
 from laminar_core.relay.packing import WeightIntegrityError
 from laminar_core.types import Bucket, WeightManifest
@@ -39,6 +39,11 @@ def _retrieve(fut: asyncio.Future) -> None:
 
 class RelayCancelled(RuntimeError):
     """The tier called off this version here (an upstream relay died); nothing was committed."""
+
+
+class ForwardFailed(TransportError):
+    """This relay committed and shared the version, but could not send it on (the next
+    relay is gone): the version is good here, the chain needs repair after it."""
 
 
 @dataclass
@@ -132,22 +137,39 @@ class RelayHost:
 
     async def drain(self, version: int) -> None:
         """Return once this host finished forwarding ``version`` and sharing it with its
-        node (raise what went wrong)."""
+        node (raise what went wrong: ``ForwardFailed`` if only the forwarding did)."""
         job = self._jobs.get(version)
         if job is None:
             return
         try:
-            await asyncio.shield(job.forwarded)
+            try:
+                await asyncio.shield(job.forwarded)
+                lost = None
+            except (asyncio.CancelledError, RelayCancelled):
+                raise
+            except BaseException as e:  # the next relay is gone: still share it here
+                lost = e
             if inspect.isawaitable(job.shared):
                 await job.shared
+            if lost is not None:
+                raise ForwardFailed(
+                    f"relay {self.relay.relay_id} holds version {version} but could not "
+                    f"forward it: {lost}"
+                ) from lost
         finally:
             if job.committed.done() and job.forwarded.done():
                 self._jobs.pop(version, None)
 
     async def cancel(self, version: int) -> None:
-        """Call off ``version`` here: stop receiving and forwarding it (a peer died)."""
+        """Call off ``version`` here: stop receiving and forwarding it (a peer died). A
+        version already committed here stays (and its sharing with the node completes)."""
         job = self._jobs.pop(version, None)
         if job is not None:
+            held = job.committed.done() and not job.committed.exception()
+            if held and inspect.isawaitable(job.shared):
+                # committed here: the version is good, finish sharing it with the node
+                with contextlib.suppress(Exception):
+                    await job.shared
             for t in job.tasks:
                 t.cancel()
             await asyncio.gather(*job.tasks, return_exceptions=True)

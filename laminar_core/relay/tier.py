@@ -26,7 +26,7 @@ from typing import Any, Protocol
 import torch
 
 from laminar_core.interfaces import WeightTransport
-from laminar_core.relay.host import ABORT, PROBE, RelayHost
+from laminar_core.relay.host import ABORT, PROBE, ForwardFailed, RelayHost
 from laminar_core.relay.latency import optimal_chunks
 from laminar_core.relay.node import NodeRelay
 from laminar_core.relay.packing import BucketPacker, WeightIntegrityError
@@ -174,6 +174,7 @@ class RelayTier:
         # (rank, version): a relay host committed the version and shared it with its node
         # (its ``drain`` returned); how a driver-side view of a remote relay learns of it.
         self.on_ready: list[Callable[[int, int], None]] = []
+        self._seen: set[tuple[int, int]] = set()  # (rank, version) on_ready already told
 
     # --- membership ---------------------------------------------------------------------------
 
@@ -489,7 +490,11 @@ class RelayTier:
             await host.receive(version, count, pred, nxt)
             if i == 0 and not master_done.done():
                 master_done.set_result(loop.time())
-            await host.drain(version)
+            try:
+                await host.drain(version)
+            except ForwardFailed:
+                self._ready(chain[i][0], version)  # good here; the repair serves the rest
+                raise
             self._ready(chain[i][0], version)
 
         def check(index: int, nbytes: int) -> None:
@@ -610,6 +615,12 @@ class RelayTier:
         for (rank, _), out in zip(chain, outcomes):
             if isinstance(out, BaseException):
                 log.error("relay rank %s failed to take version %s: %r", rank, version, out)
+        if pending:  # relays that hold it although their job was called off are ready too
+            missed = [(r, h) for r, h in chain if h.is_alive() and (r, version) not in self._seen]
+            held = await asyncio.gather(*(h.status() for _, h in missed), return_exceptions=True)
+            for (rank, _), v in zip(missed, held):
+                if v == version:
+                    self._ready(rank, version)
         if manifest is not None and any(not h.is_alive() for _, h in chain):
             try:
                 await self._refresh()
@@ -618,6 +629,9 @@ class RelayTier:
                 log.error("version %s: repair after a relay death failed: %r", version, e)
 
     def _ready(self, rank: int, version: int) -> None:
+        if (rank, version) in self._seen:
+            return
+        self._seen = {(r, v) for r, v in self._seen if v == version} | {(rank, version)}
         for cb in self.on_ready:
             try:
                 cb(rank, version)

@@ -192,6 +192,8 @@ async def check_relay_faults(
     )
     masters: list[int] = []
     tier.on_master_change.append(lambda rank, ep: masters.append(rank))
+    ready: list[tuple[int, int]] = []
+    tier.on_ready.append(lambda rank, version: ready.append((rank, version)))
     try:
         await asyncio.wait_for(tier.open(), timeout_s)
         await asyncio.wait_for(tier.publish(1, make_weights(1)), timeout_s)
@@ -203,6 +205,8 @@ async def check_relay_faults(
         assert not hosts[1].is_alive(), "relay B should have crashed"
         assert tier.chain_ranks == [1, 3], tier.chain_ranks
         assert await _versions(hosts) == [2, -2, 2], "C was not repaired to version 2"
+        # A could not forward (B was gone) but holds it; C got it by repair: both are ready
+        assert {(1, 2), (3, 2)} <= set(ready), ready
         assert_loaded(shm_root, 2, 2)
         # A (master) dies on receiving bucket 1 of version 3; the export is replayed to C
         res = await asyncio.wait_for(tier.publish(3, lambda: make_weights(3)), timeout_s)
