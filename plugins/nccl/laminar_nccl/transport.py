@@ -47,9 +47,24 @@ class NcclOptions:
     """Options under ``relay.nccl`` in the run config."""
 
     backend: str = "auto"  # auto (nccl when CUDA is available, else gloo) | nccl | gloo
-    host: str = "127.0.0.1"  # address this endpoint's store and gloo sockets bind to
+    # address this endpoint's store and gloo sockets bind to; "auto": this node's own address
+    # (what relays on several nodes need), resolved when the endpoint opens
+    host: str = "127.0.0.1"
     timeout_s: float = 300.0  # a link's operations fail after this long (peer hung)
     device: int = -1  # CUDA device for nccl; -1: torch.cuda.current_device()
+
+
+def node_address() -> str:
+    """This node's address as the other nodes see it: the interface of the default route
+    (no packet is sent), else the hostname's address."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("10.255.255.255", 1))
+            return s.getsockname()[0]
+        except OSError:
+            return socket.gethostbyname(socket.gethostname())
 
 
 def _bytes_tensor(data: bytes | bytearray | memoryview) -> torch.Tensor:
@@ -85,6 +100,7 @@ class TorchDistTransport(WeightTransport):
             raise ValueError("this torch build has no torch.distributed gloo backend")
         self.backend = backend
         self.rank = -1
+        self.host = self.opt.host
         self.peers: dict[int, Any] = {}
         self._store: Any = None
         self._endpoint: str | None = None
@@ -105,12 +121,13 @@ class TorchDistTransport(WeightTransport):
             torch.cuda.set_device(self.device)
         else:
             self.device = torch.device("cpu")
+        self.host = node_address() if self.opt.host == "auto" else self.opt.host
         self._store = await self._run(
             lambda: dist.TCPStore(
-                self.opt.host, 0, is_master=True, wait_for_workers=False, timeout=self._timeout
+                self.host, 0, is_master=True, wait_for_workers=False, timeout=self._timeout
             )
         )
-        self._endpoint = f"{self.opt.host}:{self._store.port}"
+        self._endpoint = f"{self.host}:{self._store.port}"
         if peers:
             await self.connect(peers)
 
@@ -176,7 +193,7 @@ class TorchDistTransport(WeightTransport):
                 return dist.ProcessGroupNCCL(prefix, pair_rank, 2, opts)
             opts = dist.ProcessGroupGloo._Options()
             opts._timeout = self._timeout
-            opts._devices = [dist.ProcessGroupGloo.create_device(hostname=self.opt.host)]
+            opts._devices = [dist.ProcessGroupGloo.create_device(hostname=self.host)]
             return dist.ProcessGroupGloo(prefix, pair_rank, 2, opts)
         except Exception as e:
             raise TransportError(f"rank {self.rank}: cannot link with peer {peer}: {e}") from e

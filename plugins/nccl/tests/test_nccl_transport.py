@@ -4,6 +4,7 @@ real processes, and relay / master crashes. NCCL itself needs GPUs (see README).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 from functools import partial
 
@@ -13,6 +14,7 @@ import torch
 from laminar_core.plugins import PluginManager
 from laminar_core.testing import check_relay_chain, check_relay_faults, check_transport
 from laminar_nccl import NcclOptions, TorchDistTransport
+from laminar_nccl.transport import node_address
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
@@ -27,6 +29,20 @@ def test_registered_as_plugin() -> None:
 
 def test_gloo_transport_conformance() -> None:
     asyncio.run(check_transport(lambda rank: TorchDistTransport(GLOO)))
+
+
+def test_host_auto_binds_to_the_nodes_own_address() -> None:
+    """``host: auto`` (relays on several nodes): endpoints advertise this node's address,
+    not loopback, and still talk."""
+    opts = dataclasses.replace(GLOO, host="auto")
+    made: list[TorchDistTransport] = []
+
+    def make(rank: int) -> TorchDistTransport:
+        made.append(TorchDistTransport(opts))
+        return made[-1]
+
+    asyncio.run(check_transport(make))
+    assert made[0].host == node_address() and made[0].host != "auto"
 
 
 def test_bad_backend_is_a_clear_error() -> None:
