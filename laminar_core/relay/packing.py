@@ -21,6 +21,7 @@ class WeightIntegrityError(ValueError):
 
 
 _CHECKSUM_MASK = (1 << 63) - 1  # fits the wire header's signed int64; -1 stays "no bytes"
+_UNSUMMED = -2  # a packed bucket whose checksum its sender takes later (``checksums=False``)
 
 
 def checksum(data: bytes | bytearray | memoryview) -> int:
@@ -70,6 +71,7 @@ class BucketPacker:
         ring_size: int = 3,
         views: bool = True,
         pin: bool = False,
+        checksums: bool = True,
     ) -> None:
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be >= 1 (got {bucket_bytes})")
@@ -80,6 +82,7 @@ class BucketPacker:
         self.ring_size = max(1, ring_size)
         self.views = views
         self.pin = pin  # page-locked buffers (a GPU trainer's staging)
+        self.checksum_now = checksums  # False: buckets carry _UNSUMMED, the sender sums them
         self._ring: list[memoryview] = ring if ring is not None else []
         if any(len(b) != bucket_bytes for b in self._ring):  # the chunk size changed
             self._ring.clear()
@@ -105,7 +108,7 @@ class BucketPacker:
         return self._ring[self._turn]
 
     def _emit(self, data: memoryview | None, nbytes: int) -> Bucket:
-        crc = -1 if data is None else checksum(data)
+        crc = -1 if data is None else checksum(data) if self.checksum_now else _UNSUMMED
         self.sizes.append(nbytes)
         self.checksums.append(crc)
         return Bucket(self.version, len(self.sizes) - 1, nbytes, crc, data)

@@ -29,7 +29,7 @@ from laminar_core.interfaces import WeightTransport
 from laminar_core.relay.host import ABORT, PROBE, ForwardFailed, RelayHost
 from laminar_core.relay.latency import optimal_chunks
 from laminar_core.relay.node import NodeRelay
-from laminar_core.relay.packing import BucketPacker, WeightIntegrityError
+from laminar_core.relay.packing import _UNSUMMED, BucketPacker, WeightIntegrityError, checksum
 from laminar_core.types import Bucket, WeightManifest
 
 log = logging.getLogger(__name__)
@@ -95,17 +95,27 @@ class PublishResult:
 
 class _Staged:
     """A version copied out of the trainer into host buffers: what a staged push sends (and
-    replays to a new master if the old one dies)."""
+    replays to a new master if the old one dies). Checksums are taken as the buckets go out,
+    not while the trainer waits for the copy."""
 
     def __init__(self, manifest: WeightManifest, buckets: list[Bucket], chunk: int) -> None:
-        self.manifest = manifest
+        self._manifest = manifest
         self._buckets = buckets
         self.sizes = list(manifest.bucket_sizes)
+        self.checksums = list(manifest.checksums)
         self.chunk = chunk
         self.bytes = sum(self.sizes)
 
+    @property
+    def manifest(self) -> WeightManifest:
+        m = self._manifest
+        return WeightManifest(m.version, m.tensors, self.sizes, self.checksums)
+
     def buckets(self) -> Iterable[Bucket]:
-        return iter(self._buckets)
+        for i, b in enumerate(self._buckets):
+            if b.checksum == _UNSUMMED and b.data is not None:
+                b.checksum = self.checksums[i] = checksum(b.data)
+            yield b
 
 
 class RelayTier:
@@ -414,6 +424,7 @@ class RelayTier:
             ring_size=count,
             views=False,
             pin=first[1].device.type == "cuda",
+            checksums=False,  # taken as the buckets go out: the trainer waits for the copy only
         )
 
         def run() -> list[Bucket]:

@@ -56,7 +56,8 @@ class NixlOptions:
     ucx_tls: str = ""  # e.g. "tcp,self" (CI, laptops) or "rc,ud,self" (InfiniBand); "": UCX picks
     ucx_net_devices: str = ""  # e.g. "lo" on one machine, "mlx5_0:1" on a cluster
     timeout_s: float = 300.0  # waiting on a silent peer fails after this long
-    poll_s: float = 0.0002  # notification polling interval (x4 at most when idle)
+    poll_s: float = 0.0002  # notification polling interval (x4 at most between messages)
+    idle_poll_s: float = 0.05  # ... and with no send or receive under way (woken by one)
 
 
 def _import_nixl() -> tuple[Any, Any]:
@@ -116,6 +117,8 @@ class NixlTransport(WeightTransport):
         self._free_recv: deque[int] = deque()
         self._free_send: asyncio.Queue[int] = asyncio.Queue()
         self._poller: asyncio.Task | None = None
+        self._active = 0  # sends and receives under way
+        self._wake = asyncio.Event()
         self._error: BaseException | None = None
 
     # --- lifecycle ---------------------------------------------------------------------------
@@ -200,7 +203,14 @@ class NixlTransport(WeightTransport):
                     got = True
                     self._on_notif(rank, bytes(msg))
             idle = 0 if got else min(idle + 1, 4)  # back off to 4 x poll_s when quiet
-            await asyncio.sleep(0 if got else self.opt.poll_s * idle)
+            if got or self._active:
+                await asyncio.sleep(0 if got else self.opt.poll_s * idle)
+                continue
+            # Nothing under way (a relay between versions): poll rarely, so idle endpoints
+            # do not take the CPU from busy ones; a send or receive wakes the poller at once.
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.opt.idle_poll_s)
 
     def _on_notif(self, rank: int, msg: bytes) -> None:
         kind, body = msg[:1], msg[1:]
@@ -239,6 +249,22 @@ class NixlTransport(WeightTransport):
     # --- buckets -------------------------------------------------------------------------------
 
     async def send(self, bucket: Bucket, peer: int) -> None:
+        self._active += 1
+        self._wake.set()
+        try:
+            await self._send(bucket, peer)
+        finally:
+            self._active -= 1
+
+    async def recv(self, peer: int, alloc: Alloc | None = None) -> Bucket:
+        self._active += 1
+        self._wake.set()
+        try:
+            return await self._recv(peer, alloc)
+        finally:
+            self._active -= 1
+
+    async def _send(self, bucket: Bucket, peer: int) -> None:
         name = self._name(peer)
         out = self._outbound(peer)
         header = encode_bucket_header(bucket)
@@ -303,7 +329,7 @@ class NixlTransport(WeightTransport):
 
         return await self._wait(take(), f"data from peer {peer}")
 
-    async def recv(self, peer: int, alloc: Alloc | None = None) -> Bucket:
+    async def _recv(self, peer: int, alloc: Alloc | None) -> Bucket:
         self._name(peer)
         inbound = self._inbound(peer)
         if not inbound.started:
