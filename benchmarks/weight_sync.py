@@ -13,7 +13,7 @@ Prints, in one run on this machine:
   (d) chunked pipeline vs unchunked: the latency model's predicted time beside the measured.
 
     python benchmarks/weight_sync.py [--mb 1024] [--relays 1 2 4 8] [--transports nccl rdma]
-                                     [--slot-mb 16] [--json FILE]
+                                     [--slot-mb 8] [--json FILE]
 
 ``--json`` writes the same figures; the keys (per transport and relay count: ``bytes``,
 ``seconds``, ``fraction_of_link``, ``trainer_stall_seconds``) are kept stable for scripts.
@@ -27,6 +27,7 @@ import json
 import multiprocessing as mp
 import os
 import socket
+import statistics
 import sys
 import time
 from functools import partial
@@ -98,7 +99,7 @@ def memcpy_gbps(nbytes: int = 256 << 20) -> float:
 # --- (b)-(d) the chain ----------------------------------------------------------------------------
 
 
-def transport_factory(name: str, slot_mb: float = 16.0):
+def transport_factory(name: str, slot_mb: float = 8.0):
     if name == "nccl":
         from laminar_nccl import NcclOptions, TorchDistTransport
 
@@ -118,7 +119,7 @@ def model(total: int, version: int) -> list[tuple[str, torch.Tensor]]:
 
 
 async def broadcast(name: str, relays: int, total: int, chunks: int | None, stage: bool = True,
-                    slot_mb: float = 16.0) -> dict:
+                    slot_mb: float = 8.0) -> dict:
     """Spawn ``relays`` relay processes, publish versions, measure the steady state;
     ``chunks=None``: k*. ``stage``: the staged push (``relay.stage_push``, the default)."""
     factory = transport_factory(name, slot_mb)
@@ -132,32 +133,33 @@ async def broadcast(name: str, relays: int, total: int, chunks: int | None, stag
         nbytes = total // 8 // 2 * 2 * 8  # what model() makes: 8 bf16 tensors
         loop = asyncio.get_running_loop()
         # Versions 1 and 2 are the cold start (links set up, the trainer's bucket ring and
-        # the relays' two version buffers faulted in); version 3 is the steady state of a
-        # training run, which is what the figures report.
-        timings = []
-        for version in (1, 2, 3):
+        # the relays' two version buffers faulted in); versions 3-5 are the steady state of a
+        # training run: the figures are their medians.
+        runs = []
+        for version in range(1, 6):
             weights = model(total, version)
             t0 = loop.time()
             res = await tier.publish(version, weights, model_bytes=nbytes)
             await tier.wait_broadcast()
-            timings.append(loop.time() - t0)
+            runs.append((loop.time() - t0, res.stall_seconds, res.master_seconds, res.buckets))
             del weights  # one model's tensors at a time (8 relays x 2 versions fill 24 GiB)
-        seconds = timings[-1]
         held = [await h.status() for h in hosts]
-        assert held == [3] * relays, f"relays hold {held}"
+        assert held == [5] * relays, f"relays hold {held}"
+        steady = runs[2:]
+        seconds, stall, master = (statistics.median(r[i] for r in steady) for i in range(3))
         t_byte, t_start = link
         return {
             "bytes": nbytes,
             "seconds": seconds,
-            "first_version_seconds": timings[0],
-            "trainer_stall_seconds": res.stall_seconds,
-            "master_seconds": res.master_seconds,  # until the master held it
+            "first_version_seconds": runs[0][0],
+            "trainer_stall_seconds": stall,
+            "master_seconds": master,  # until the master held it
             "staged": stage,
-            "chunks": res.buckets,
+            "chunks": runs[-1][3],
             "t_byte": t_byte,
             "t_start": t_start,
             # trainer -> master is the chain's first hop: p = relays + 1 endpoints
-            "predicted_seconds": chain_latency(relays + 1, nbytes, res.buckets, t_byte, t_start),
+            "predicted_seconds": chain_latency(relays + 1, nbytes, runs[-1][3], t_byte, t_start),
         }
     finally:
         await tier.close()
@@ -171,7 +173,7 @@ def main() -> None:
     ap.add_argument("--relays", type=int, nargs="+", default=[1, 2, 4, 8])
     ap.add_argument("--transports", nargs="+", default=["nccl", "rdma"])
     ap.add_argument("--pipeline-relays", type=int, default=4, help="relays for (d)")
-    ap.add_argument("--slot-mb", type=float, default=16.0, help="relay.rdma.slot_mb for NIXL")
+    ap.add_argument("--slot-mb", type=float, default=8.0, help="relay.rdma.slot_mb for NIXL")
     ap.add_argument("--json", type=Path, help="write the figures here as JSON")
     args = ap.parse_args()
     total = int(args.mb * (1 << 20))
@@ -207,8 +209,8 @@ def main() -> None:
             stall_rows.append([name, str(p), f"{stall:.3f}",
                                f"{stall / first['trainer_stall_seconds']:.2f}x",
                                f"{master:.3f}", f"{master / first['master_seconds']:.2f}x"])
-    say(f"\n(b) chain broadcast of {total / GiB:.2f} GiB (steady state: the third version; "
-        "'first s': the first), chunks from k* with the measured link")
+    say(f"\n(b) chain broadcast of {total / GiB:.2f} GiB (steady state: median of versions 3-5; "
+        "'first s': version 1), chunks from k* with the measured link")
     say(table(rows, ["transport", "relays", "k", "seconds", "first s", "model s", "GB/s",
                      "fraction_of_link", "aggregate_fraction"]))
     base = args.relays[0]

@@ -58,6 +58,10 @@ class NixlOptions:
     timeout_s: float = 300.0  # waiting on a silent peer fails after this long
     poll_s: float = 0.0002  # notification polling interval (x4 at most between messages)
     idle_poll_s: float = 0.05  # ... and with no send or receive under way (woken by one)
+    # NIXL's own progress thread spins on the UCX worker, a core per endpoint even when idle
+    # (with 4 relays on 2 cores it halved the chain's speed); our notification polling
+    # drives progress while a transfer is under way, so it is off unless asked for
+    progress_thread: bool = False
 
 
 def _import_nixl() -> tuple[Any, Any]:
@@ -131,7 +135,10 @@ class NixlTransport(WeightTransport):
         nixl_agent, nixl_agent_config = _import_nixl()
         self.rank = rank
         name = f"laminar-{rank}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self.agent = nixl_agent(name, nixl_agent_config(backends=[self.opt.backend]))
+        config = nixl_agent_config(
+            enable_prog_thread=self.opt.progress_thread, backends=[self.opt.backend]
+        )
+        self.agent = nixl_agent(name, config)
         n = self.opt.slots * self.slot_bytes
         # Registered once, reused for every bucket of every version.
         self._recv_pool = np.zeros(n, dtype=np.uint8)
