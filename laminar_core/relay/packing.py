@@ -37,8 +37,8 @@ def _tensor_bytes(t: torch.Tensor) -> memoryview:
 
 
 def _device_bytes(t: torch.Tensor) -> torch.Tensor:
-    """A device tensor's bytes as a flat uint8 tensor on its device (copied to host slice by
-    slice, straight into the bucket buffers: no intermediate host copy)."""
+    """A tensor's bytes as a flat uint8 tensor on its device (a GPU tensor's are copied to
+    host slice by slice, straight into the bucket buffers: no intermediate host copy)."""
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
@@ -143,21 +143,21 @@ class BucketPacker:
                     yield self._emit(None, size)
                 continue
             on_host = t.device.type == "cpu"
-            view = _tensor_bytes(t) if on_host else _device_bytes(t)
+            view = _tensor_bytes(t) if on_host and self.views else None
+            src = _device_bytes(t)
             pos = 0
             while pos < nbytes:
-                if self.views and on_host and fill == 0 and nbytes - pos >= size:
+                if view is not None and fill == 0 and nbytes - pos >= size:
                     yield self._emit(view[pos : pos + size], size)  # inside this tensor
                     pos += size
                     continue
                 if buf is None:
                     buf = self._buffer()
                 take = min(size - fill, nbytes - pos)
-                if on_host:
-                    buf[fill : fill + take] = view[pos : pos + take]  # type: ignore[index]
-                else:
-                    dst = torch.frombuffer(buf[fill : fill + take], dtype=torch.uint8)
-                    dst.copy_(view[pos : pos + take])  # type: ignore[index]
+                # torch's copy: a GPU tensor goes straight to host, and on the CPU it keeps
+                # memcpy speed for every size (a memoryview copy of 16-64 MiB ran 1.5x slower)
+                dst = torch.frombuffer(buf[fill : fill + take], dtype=torch.uint8)
+                dst.copy_(src[pos : pos + take])
                 fill += take
                 pos += take
                 if fill == size:
