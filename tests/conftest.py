@@ -44,3 +44,23 @@ SMALL = [
 @pytest.fixture
 def small_overrides() -> list[str]:
     return list(SMALL)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One local Ray cluster for the whole session (started by the first test that asks for
+    it); the runtime joins it instead of starting its own."""
+    ray = pytest.importorskip("ray")
+    from laminar_core.runtime.ray_run import WORKER_ENV
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(
+            num_cpus=8,  # logical: the e2e run's 2 trainer ranks + 2 replicas (+ 0-CPU relays)
+            include_dashboard=False,
+            runtime_env={"env_vars": dict(WORKER_ENV)},
+            logging_level="WARNING",
+        )
+    yield
+    if started:
+        ray.shutdown()

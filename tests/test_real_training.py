@@ -35,26 +35,9 @@ if _missing:
 ray = pytest.importorskip("ray")
 
 from laminar_core.models import build_tiny_model  # noqa: E402
-from laminar_core.runtime.ray_run import WORKER_ENV  # noqa: E402
 from laminar_core.runtime.train import close_run, make_run_dir, start_run  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    """One local cluster for the module (the runtime joins it instead of starting one)."""
-    started = not ray.is_initialized()
-    if started:
-        ray.init(
-            num_cpus=8,
-            include_dashboard=False,
-            runtime_env={"env_vars": dict(WORKER_ENV)},
-            logging_level="WARNING",
-        )
-    yield
-    if started:
-        ray.shutdown()
 
 
 def _config(model: Path, out: Path, *extra: str):

@@ -22,25 +22,9 @@ from laminar_core import load_config  # noqa: E402
 from laminar_core.relay.shm import SharedWeights, relay_dir  # noqa: E402
 from laminar_core.relay.tier import RelayTier  # noqa: E402
 from laminar_core.relay.view import SharedRelayView  # noqa: E402
-from laminar_core.runtime.ray_run import WORKER_ENV  # noqa: E402
 from laminar_core.runtime.relay_actor import spawn_relay  # noqa: E402
 from laminar_core.testing.relay import make_weights  # noqa: E402
 from laminar_nccl.transport import TorchDistTransport  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    started = not ray.is_initialized()
-    if started:
-        ray.init(
-            num_cpus=2,
-            include_dashboard=False,
-            runtime_env={"env_vars": dict(WORKER_ENV)},
-            logging_level="WARNING",
-        )
-    yield
-    if started:
-        ray.shutdown()
 
 
 def _assert_shared(root: Path, relay_id: int, version: int) -> None:

@@ -9,6 +9,7 @@ simulator's) become *phantom* buckets that carry a size and no bytes.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 import xxhash
@@ -42,6 +43,16 @@ def _device_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
+def _copy(dst: memoryview, t: torch.Tensor, src: Any, pos: int, n: int) -> None:
+    """``src[pos:pos + n]`` (a host tensor's bytes as a memoryview, a device tensor's as a
+    uint8 tensor) into ``dst``: a memcpy on the host (single-threaded it is 2x torch's
+    copy), straight from the device otherwise."""
+    if t.device.type == "cpu":
+        dst[:] = src[pos : pos + n]
+    else:
+        torch.frombuffer(dst, dtype=torch.uint8).copy_(src[pos : pos + n])
+
+
 def _host_buffer(nbytes: int, pin: bool) -> memoryview:
     if pin:  # page-locked: the GPU -> host copy runs at full PCIe speed
         return memoryview(torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy())
@@ -72,6 +83,7 @@ class BucketPacker:
         views: bool = True,
         pin: bool = False,
         checksums: bool = True,
+        arena_bytes: int = 0,
     ) -> None:
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be >= 1 (got {bucket_bytes})")
@@ -83,9 +95,10 @@ class BucketPacker:
         self.views = views
         self.pin = pin  # page-locked buffers (a GPU trainer's staging)
         self.checksum_now = checksums  # False: buckets carry _UNSUMMED, the sender sums them
+        self.arena_bytes = arena_bytes
         self._ring: list[memoryview] = ring if ring is not None else []
-        if any(len(b) != bucket_bytes for b in self._ring):  # the chunk size changed
-            self._ring.clear()
+        if not arena_bytes and any(len(b) != bucket_bytes for b in self._ring):
+            self._ring.clear()  # the chunk size changed
         del self._ring[self.ring_size :]
         self._turn = len(self._ring) - 1
         self.tensors: list[TensorSpec] = []
@@ -114,6 +127,9 @@ class BucketPacker:
         return Bucket(self.version, len(self.sizes) - 1, nbytes, crc, data)
 
     def buckets(self) -> Iterator[Bucket]:
+        if self.arena_bytes:
+            yield from self._arena_buckets()
+            return
         size = self.bucket_bytes
         buf: memoryview | None = None  # the bucket being assembled (spans tensors)
         fill = 0  # bytes in the current bucket (phantom buckets count without storing)
@@ -142,9 +158,8 @@ class BucketPacker:
                     fill -= size
                     yield self._emit(None, size)
                 continue
-            on_host = t.device.type == "cpu"
-            view = _tensor_bytes(t) if on_host and self.views else None
-            src = _device_bytes(t)
+            view = _tensor_bytes(t) if t.device.type == "cpu" and self.views else None
+            src = _tensor_bytes(t) if t.device.type == "cpu" else _device_bytes(t)
             pos = 0
             while pos < nbytes:
                 if view is not None and fill == 0 and nbytes - pos >= size:
@@ -154,10 +169,7 @@ class BucketPacker:
                 if buf is None:
                     buf = self._buffer()
                 take = min(size - fill, nbytes - pos)
-                # torch's copy: a GPU tensor goes straight to host, and on the CPU it keeps
-                # memcpy speed for every size (a memoryview copy of 16-64 MiB ran 1.5x slower)
-                dst = torch.frombuffer(buf[fill : fill + take], dtype=torch.uint8)
-                dst.copy_(src[pos : pos + take])
+                _copy(buf[fill : fill + take], t, src, pos, take)
                 fill += take
                 pos += take
                 if fill == size:
@@ -167,6 +179,40 @@ class BucketPacker:
             yield self._emit(None, fill)
         elif buf is not None and fill:
             yield self._emit(buf[:fill], fill)
+
+
+    def _arena_buckets(self) -> Iterator[Bucket]:
+        """Copy every tensor whole into one contiguous buffer of ``arena_bytes`` (``ring[0]``,
+        recycled), at its offset, and cut buckets as slices of it: the copy runs in pieces
+        the size of the tensors, whatever the bucket size (what a staged push wants: its
+        length is the trainer's stall). Never phantom, never views."""
+        total, size = self.arena_bytes, self.bucket_bytes
+        if not (self._ring and len(self._ring[0]) == total):
+            self._ring[:] = [_host_buffer(total, self.pin)]
+        arena, offset, cut = self._ring[0], 0, 0
+        for name, t in self._it:
+            if t.device.type == "meta":
+                raise ValueError("a staged version needs real tensors (got a meta tensor)")
+            nbytes = t.numel() * t.element_size()
+            dtype = str(t.dtype).removeprefix("torch.")
+            self.tensors.append(
+                TensorSpec(name, tuple(t.shape), dtype, offset // size, offset, nbytes)
+            )
+            if offset + nbytes > total:
+                raise WeightIntegrityError(
+                    f"version {self.version}: the export is not the announced {total} bytes "
+                    f"(it goes past them at {name!r}); weights must keep their names, shapes "
+                    "and dtypes between versions"
+                )
+            if nbytes:
+                src = _tensor_bytes(t) if t.device.type == "cpu" else _device_bytes(t)
+                _copy(arena[offset : offset + nbytes], t, src, 0, nbytes)
+            offset += nbytes
+            while offset - cut >= size:
+                yield self._emit(arena[cut : cut + size], size)
+                cut += size
+        if offset > cut:
+            yield self._emit(arena[cut:offset], offset - cut)
 
 
 def verify_bucket(bucket: Bucket, expected_size: int | None = None) -> None:

@@ -191,7 +191,7 @@ class RelayTier:
         self.history: list[PublishResult] = []
         self._ring: list[memoryview] = []  # the trainer side's bucket buffers, recycled
         self.stage = stage
-        self._staging: list[memoryview] = []  # a staged version's buffers, recycled
+        self._staging: list[memoryview] = []  # a staged version's buffer, recycled
         self._background: set[asyncio.Future] = set()  # broadcasts (and repairs) under way
         self.rebuilds = 0  # times the chain was rebuilt after a relay died
         self.on_master_change: list[Callable[[int, Any], None]] = []  # (rank, endpoint)
@@ -439,12 +439,10 @@ class RelayTier:
             export,
             version,
             chunk,
-            reuse=True,
             ring=self._staging,
-            ring_size=count,
-            views=False,
             pin=first[1].device.type == "cuda",
             checksums=False,  # taken as the buckets go out: the trainer waits for the copy only
+            arena_bytes=model_bytes,  # one copy per tensor into one recycled host buffer
         )
 
         def run() -> list[Bucket]:
