@@ -15,6 +15,7 @@ from laminar_core.testing.relay import (
     check_relay_chain,
     check_relay_faults,
     make_weights,
+    share_version,
 )
 from laminar_core.testing.rollout import check_rollout_engine
 from laminar_core.testing.transport import check_transport
@@ -26,4 +27,5 @@ __all__ = [
     "check_rollout_engine",
     "check_transport",
     "make_weights",
+    "share_version",
 ]

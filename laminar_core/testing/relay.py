@@ -22,9 +22,10 @@ from typing import Any
 import torch
 
 from laminar_core.interfaces import Alloc, WeightTransport
-from laminar_core.relay.packing import WeightIntegrityError
+from laminar_core.relay.node import VersionData
+from laminar_core.relay.packing import BucketPacker, WeightIntegrityError
 from laminar_core.relay.process import RelayProcess
-from laminar_core.relay.shm import load_shared
+from laminar_core.relay.shm import SharedVersionStore, SharedWeights, load_shared
 from laminar_core.relay.tier import RelayTier
 from laminar_core.types import Bucket
 
@@ -87,6 +88,17 @@ class _Tampering(WeightTransport):
 
     async def close(self) -> None:
         await self.inner.close()
+
+
+def share_version(
+    root: str | Path, relay_id: int, version: int, named_tensors: list[tuple[str, torch.Tensor]]
+) -> SharedWeights:
+    """Write ``version`` into ``root`` as node relay ``relay_id`` would, and return the
+    reference a replica gets (for testing an engine's load from a node relay)."""
+    packer = BucketPacker(named_tensors, version, 1 << 20)
+    buckets = list(packer.buckets())
+    SharedVersionStore(root, relay_id).write(VersionData(packer.manifest, buckets))
+    return SharedWeights(str(root), relay_id, version)
 
 
 async def _versions(hosts: list[RelayProcess]) -> list[int]:

@@ -53,9 +53,7 @@ def test_engine_lifecycle(model_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from laminar_core import SharedWeights
-    from laminar_core.relay import BucketPacker
-    from laminar_core.relay.node import VersionData
-    from laminar_core.relay.shm import SharedVersionStore
+    from laminar_core.testing import share_version
 
     shm = tmp_path / "shm"
 
@@ -112,10 +110,8 @@ def test_engine_lifecycle(model_dir, tmp_path):
             with torch.no_grad():
                 for param in hf.parameters():
                     param.add_(torch.randn_like(param) * 0.05)
-            packer = BucketPacker(list(hf.named_parameters()), 2, 1 << 16)
-            buckets = list(packer.buckets())
-            SharedVersionStore(shm, 0).write(VersionData(packer.manifest, buckets))
-            await eng.update_weights(2, SharedWeights(str(shm), 0, 2))
+            shared = share_version(shm, 0, 2, list(hf.named_parameters()))
+            await eng.update_weights(2, shared)
             u = await eng.generate(_req("e", 30))
             ref = _hf_logprobs(hf, PROMPT, u.response_ids)
             assert u.version == 2
