@@ -534,10 +534,14 @@ def test_packer_whole_buckets_are_views_of_the_tensor() -> None:
     a[0], b[0] = 7.0, 7.0
     assert bytes(buckets[0].data[:4]) == a[:1].numpy().tobytes()  # sees the write: a view
     assert bytes(buckets[2].data[:4]) == bytes(4)  # assembled before the write: a copy
-    # views=False copies everything (a staged version must not change with the trainer)
-    copied = list(BucketPacker([("a", a), ("b", b)], 1, 32, views=False).buckets())
+    # a staged version (arena) copies everything: it must not change with the trainer
+    packer = BucketPacker([("a", a), ("b", b)], 1, 32, arena_bytes=88)
+    copied = list(packer.buckets())
     a[0] = 9.0
+    assert [x.nbytes for x in copied] == [32, 32, 24]
     assert bytes(copied[0].data[:4]) == torch.tensor([7.0]).numpy().tobytes()
+    seven = torch.tensor([7.0]).numpy().tobytes()
+    assert b"".join(bytes(x.data) for x in copied)[64:68] == seven  # b's first float
 
 
 def test_packer_ring_recycles_its_buffers_across_versions() -> None:

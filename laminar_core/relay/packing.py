@@ -62,15 +62,22 @@ def _host_buffer(nbytes: int, pin: bool) -> memoryview:
 class BucketPacker:
     """Iterate ``buckets()`` first; ``manifest`` is complete once it is exhausted.
 
-    A bucket that lies inside one tensor is a view of that tensor's memory (no copy) unless
-    ``views=False``; one that spans tensors is assembled in a buffer. With ``reuse=True``
-    those buffers are a ring of ``ring_size`` (default 3), recycled: a bucket's bytes then
-    stay valid only until ``ring_size - 1`` more buckets have been taken, which suits a
-    sender that holds one bucket back and sends each before taking the next (the relay
-    tier) and saves faulting in fresh memory for every bucket. Pass the same ``ring`` list to
-    the packers of successive versions to keep recycling across them. (A staged push packs
-    a whole version with ``views=False`` and a ring of one buffer per bucket.)
+    A bucket that lies inside one host tensor is a view of that tensor's memory (no copy);
+    one that spans tensors is assembled in a buffer. With ``reuse=True`` those buffers are a
+    ring of three, recycled: a bucket's bytes then stay valid only until two more buckets
+    have been taken, which suits a sender that holds one bucket back and sends each before
+    taking the next (the relay tier's streamed push) and saves faulting in fresh memory for
+    every bucket. Pass the same ``ring`` list to the packers of successive versions to keep
+    recycling across them.
+
+    ``arena_bytes`` (a staged push: the model's size) instead copies every tensor into one
+    contiguous buffer (``ring[0]``, recycled) and cuts the buckets as slices of it: no views,
+    so the version cannot change with the trainer's weights, and the copy runs in pieces the
+    size of the tensors whatever the bucket size. ``checksums=False`` leaves buckets
+    ``_UNSUMMED`` for their sender to sum as they go out.
     """
+
+    RING = 3
 
     def __init__(
         self,
@@ -79,8 +86,6 @@ class BucketPacker:
         bucket_bytes: int,
         reuse: bool = False,
         ring: list[memoryview] | None = None,
-        ring_size: int = 3,
-        views: bool = True,
         pin: bool = False,
         checksums: bool = True,
         arena_bytes: int = 0,
@@ -91,15 +96,14 @@ class BucketPacker:
         self.version = version
         self.bucket_bytes = bucket_bytes
         self.reuse = reuse
-        self.ring_size = max(1, ring_size)
-        self.views = views
         self.pin = pin  # page-locked buffers (a GPU trainer's staging)
         self.checksum_now = checksums  # False: buckets carry _UNSUMMED, the sender sums them
         self.arena_bytes = arena_bytes
         self._ring: list[memoryview] = ring if ring is not None else []
         if not arena_bytes and any(len(b) != bucket_bytes for b in self._ring):
             self._ring.clear()  # the chunk size changed
-        del self._ring[self.ring_size :]
+        if not arena_bytes:
+            del self._ring[self.RING :]
         self._turn = len(self._ring) - 1
         self.tensors: list[TensorSpec] = []
         self.sizes: list[int] = []
@@ -113,11 +117,11 @@ class BucketPacker:
     def _buffer(self) -> memoryview:
         if not self.reuse:
             return _host_buffer(self.bucket_bytes, self.pin)
-        if len(self._ring) < self.ring_size:
+        if len(self._ring) < self.RING:
             self._ring.append(_host_buffer(self.bucket_bytes, self.pin))
             self._turn = len(self._ring) - 1
         else:
-            self._turn = (self._turn + 1) % self.ring_size
+            self._turn = (self._turn + 1) % self.RING
         return self._ring[self._turn]
 
     def _emit(self, data: memoryview | None, nbytes: int) -> Bucket:
@@ -158,7 +162,7 @@ class BucketPacker:
                     fill -= size
                     yield self._emit(None, size)
                 continue
-            view = _tensor_bytes(t) if t.device.type == "cpu" and self.views else None
+            view = _tensor_bytes(t) if t.device.type == "cpu" else None
             src = _tensor_bytes(t) if t.device.type == "cpu" else _device_bytes(t)
             pos = 0
             while pos < nbytes:
