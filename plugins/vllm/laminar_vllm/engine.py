@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import itertools
 import os
+import shutil
 import tempfile
 import time
 from collections.abc import Iterable
@@ -43,6 +44,29 @@ from laminar_core import (
 from laminar_vllm.options import VLLMOptions
 
 _SHM = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+_PREFIX = "laminar-vllm-"
+
+
+def _own_dir() -> Path:
+    """This process's directory for weight files in shared memory (tmpfs is RAM: a file
+    left by a process that was killed mid-update stays until someone removes it)."""
+    d = _SHM / f"{_PREFIX}{os.getpid()}"
+    d.mkdir(exist_ok=True)
+    return d
+
+
+def _remove_orphans() -> None:
+    """Remove the weight-file directories of engine processes that no longer exist."""
+    for d in _SHM.glob(f"{_PREFIX}*"):
+        pid = d.name.removeprefix(_PREFIX)
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(d, ignore_errors=True)
+        except PermissionError:  # alive, another user's
+            pass
 _ABORT_WAIT_S = 30.0  # how long abort waits for vLLM to hand back an aborted request
 # Timings use the monotonic clock: the one the driver's event loop reads (on one node).
 
@@ -98,6 +122,7 @@ class VLLMRolloutEngine(RolloutEngine):
     # -- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
         path = model_dir(self.model_path, f"rollout replica {self.replica_id}")
+        _remove_orphans()
         os.environ.setdefault("VLLM_LOGGING_LEVEL", self.opt.log_level)
         try:
             from vllm.engine.arg_utils import AsyncEngineArgs
@@ -141,6 +166,8 @@ class VLLMRolloutEngine(RolloutEngine):
         llm, self._llm = self._llm, None
         if llm is not None:
             llm.shutdown()
+        with contextlib.suppress(OSError):  # another engine of this process may still use it
+            (_SHM / f"{_PREFIX}{os.getpid()}").rmdir()
 
     def _stat_logger(self) -> type:
         from vllm.v1.metrics.loggers import StatLoggerBase
@@ -307,7 +334,7 @@ class VLLMRolloutEngine(RolloutEngine):
 
             tensors = {n: t.detach().contiguous().cpu() for n, t in named_tensors}
             fd, path = tempfile.mkstemp(
-                prefix=f"laminar-{self.replica_id}-v{version}-", suffix=".safetensors", dir=_SHM
+                prefix=f"{self.replica_id}-v{version}-", suffix=".safetensors", dir=_own_dir()
             )
             os.close(fd)
             try:
