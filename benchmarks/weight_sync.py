@@ -111,11 +111,18 @@ def transport_factory(name: str, slot_mb: float = 8.0):
     raise SystemExit(f"unknown transport {name!r} (nccl, rdma)")
 
 
+TENSORS = 8  # the benchmark model: this many bf16 tensors of equal size
+
+
+def model_bytes(total: int) -> int:
+    """What ``model(total, v)`` exports: ``total`` rounded down to whole tensors."""
+    return TENSORS * (total // TENSORS // 2) * 2
+
+
 def model(total: int, version: int) -> list[tuple[str, torch.Tensor]]:
-    n = 8
-    per = total // n // 2  # bf16 elements
+    per = model_bytes(total) // TENSORS // 2  # bf16 elements
     return [(f"layer{i}.weight", torch.full((per,), float(version), dtype=torch.bfloat16))
-            for i in range(n)]
+            for i in range(TENSORS)]
 
 
 async def broadcast(name: str, relays: int, total: int, chunks: int | None, stage: bool = True,
@@ -130,7 +137,7 @@ async def broadcast(name: str, relays: int, total: int, chunks: int | None, stag
     try:
         await tier.open()
         link = tier.link or await tier.calibrate()
-        nbytes = total // 8 // 2 * 2 * 8  # what model() makes: 8 bf16 tensors
+        nbytes = model_bytes(total)
         loop = asyncio.get_running_loop()
         # Versions 1 and 2 are the cold start (links set up, the trainer's bucket ring and
         # the relays' two version buffers faulted in); versions 3-5 are the steady state of a

@@ -48,7 +48,6 @@ def test_relay_actors_share_versions_and_survive_relay_deaths(ray_cluster, tmp_p
     heard: list[list[int]] = [[] for _ in views]
     for h, v, got in zip(hosts, views, heard):
         h.on_committed.append(v.committed)
-        h.on_shared.append(v.advance)
         v.listeners.append(got.append)
 
     async def main() -> None:

@@ -10,7 +10,6 @@ import pickle
 import pytest
 import torch
 
-from laminar_core.loop.manager import relay_weights
 from laminar_core.relay.node import NodeRelay
 from laminar_core.relay.packing import BucketPacker
 from laminar_core.relay.shm import (
@@ -127,14 +126,14 @@ def test_view_announces_versions_and_hands_out_references(tmp_path) -> None:
         view.advance(3)
         assert heard == [1, 3] and view.version == 3
         share(tmp_path, 2, [3])
-        version, sw = relay_weights(view)  # what the manager's pull hands the replica
+        version, sw = view.weights()  # what the manager's pull hands the replica
         assert version == 3 and sw == SharedWeights(str(tmp_path), 2, 3)
         assert_weights(dict(sw), 3)
         # committed at the relay, still being written: listeners hear it (replicas stop
         # admitting), but replicas keep loading the newest shared version until it lands
         view.committed(5)
         view.committed(4)
-        assert heard == [1, 3, 5] and view.version == 3 and relay_weights(view)[0] == 3
+        assert heard == [1, 3, 5] and view.version == 3 and view.weights()[0] == 3
         view.advance(5)
         view.committed(5)
         assert heard == [1, 3, 5, 5] and view.version == 5
@@ -144,11 +143,11 @@ def test_view_announces_versions_and_hands_out_references(tmp_path) -> None:
     asyncio.run(main())
 
 
-def test_manager_pull_of_a_driver_side_relay_unpacks_its_buckets() -> None:
+def test_a_driver_side_relay_hands_out_its_buckets() -> None:
     async def main() -> None:
         relay = NodeRelay(0, 0)
         commit(relay, 4)
-        version, tensors = relay_weights(relay)
+        version, tensors = relay.weights()
         assert version == 4
         assert_weights(dict(tensors), 4)
 

@@ -28,7 +28,6 @@ from typing import Any, Protocol
 from laminar_core.buffers import ExperienceBuffer, InFlight, PartialPool, PromptPool
 from laminar_core.interfaces import RepackPolicy, ReplicaFailure, RolloutEngine
 from laminar_core.loop.schedules import Schedule
-from laminar_core.relay.packing import unpack
 from laminar_core.relay.shm import SharedVersionGone
 from laminar_core.telemetry import EventLog
 from laminar_core.types import (
@@ -70,18 +69,15 @@ class NodeRelayLike(Protocol):
     @property
     def version(self) -> int: ...
 
+    @property
+    def alive(self) -> bool: ...
+
     async def wait_newer(self, version: int) -> int: ...
 
-
-def relay_weights(relay: Any) -> tuple[int, Any]:
-    """``(version, named tensors)`` of the relay's newest version, for a replica's
-    ``update_weights``: the relay's own ``weights()`` when it has one (a view of a remote
-    relay answers with a reference the replica loads on its node), else its buckets."""
-    weights = getattr(relay, "weights", None)
-    if weights is not None:
-        return weights()
-    data = relay.read()
-    return data.version, unpack(data.manifest, data.buckets)
+    def weights(self) -> tuple[int, Any]:
+        """``(version, named tensors)`` of the newest version for ``update_weights``: the
+        buckets of a relay in this process, a reference the replica loads on its node for
+        a remote one."""
 
 
 @dataclass(eq=False)
@@ -374,7 +370,7 @@ class RolloutManager:
         t0 = self.now()
         # what the other replicas are generating meanwhile: nobody waits for this pull
         others = sum(len(s.inflight) for s in self.slots if s is not slot and s.alive)
-        version, tensors = relay_weights(slot.relay)
+        version, tensors = slot.relay.weights()
         try:
             await slot.engine.update_weights(version, tensors)
         except ReplicaFailure as e:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
-from laminar_core.relay.packing import WeightIntegrityError, verify_bucket
+import torch
+
+from laminar_core.relay.packing import WeightIntegrityError, unpack, verify_bucket
 from laminar_core.types import Bucket, WeightManifest
 
 
@@ -169,6 +171,12 @@ class NodeRelay:
         while self.version <= version:
             await self._changed.wait()
         return self.version
+
+    def weights(self) -> tuple[int, Iterator[tuple[str, torch.Tensor]] | None]:
+        """``(version, named tensors)`` of the held version, for a replica's
+        ``update_weights`` (``None`` tensors for a phantom, simulated, version)."""
+        data = self.read()
+        return data.version, unpack(data.manifest, data.buckets)
 
     def read(self) -> VersionData:
         if self.current is None:

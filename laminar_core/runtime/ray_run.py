@@ -215,7 +215,6 @@ def _relay_actors(
         ray_state["actors"].append(host.handle)
         view = SharedRelayView(i, i, shm_root, host.is_alive)
         host.on_committed.append(view.committed)  # replicas stop admitting old work
-        host.on_shared.append(view.advance)  # replicas load it
         hosts.append(host)
         views.append(view)
     ray_state["relays"] = hosts
@@ -229,6 +228,7 @@ def _relay_actors(
         calibrate=cfg.relay.calibrate,
         **relay_tier_options(resolved),
     )
+    # committed and shared on its node: replicas there may load it
     tier.on_ready.append(lambda rank, version: views[rank - 1].advance(version))
     return tier, views
 

@@ -131,15 +131,15 @@ class RelayActorHost:
     async def probe(self, pred: int, count: int) -> None:
         await self.host.probe(pred, count)
 
-    async def status(self) -> tuple[int, int]:
-        """``(held, shared)``: the version the relay holds, and the newest one written to the
-        node's shared memory (once a write of the held version in flight has ended)."""
+    async def status(self) -> int:
+        """The version the relay holds, once its write to shared memory (if one is in flight)
+        has ended: what the tier's repair round reads as "ready on this node"."""
         held = await self.host.status()
         writing = self._writing.get(held)
         if writing is not None:
             with contextlib.suppress(Exception):
                 await asyncio.shield(writing)
-        return held, max(self.written, default=-1)
+        return held
 
     async def expect_layout(self, specs: list[tuple[str, tuple[int, ...], str]]) -> None:
         self.relay.expect_layout(specs)
@@ -173,10 +173,8 @@ class RayRelayHost:
 
     ``shared`` collects, per version, what the actor reported writing to its node's shared
     memory (from ``drain``). ``on_committed`` callbacks get each version the relay committed
-    (``receive`` returned); ``on_shared`` callbacks each version it reports as written to
-    shared memory, from ``drain`` and from ``status``: the latter covers a relay that
-    committed and shared a version whose broadcast still failed further down the chain (the
-    tier asks every relay's status when it repairs).
+    (``receive`` returned), before the version is shared; that it is shared (loadable on
+    the node) is the tier's ``on_ready(rank, version)``.
     """
 
     def __init__(self, handle: Any, relay_id: int, node: int) -> None:
@@ -184,7 +182,6 @@ class RayRelayHost:
         self.relay_id = relay_id
         self.node = node
         self.shared: dict[int, dict[str, Any]] = {}
-        self.on_shared: list[Callable[[int], None]] = []
         self.on_committed: list[Callable[[int], None]] = []
         self._dead: str | None = None
         self._closed = False
@@ -235,15 +232,10 @@ class RayRelayHost:
     async def offer_manifest(self, manifest: WeightManifest) -> None:
         await self._call("offer_manifest", manifest_to_json(manifest))
 
-    def _announce(self, version: int) -> None:
-        for cb in self.on_shared:
-            cb(version)
-
     async def drain(self, version: int) -> None:
         got = await self._call("drain", version)
         if got is not None:
             self.shared[version] = got
-            self._announce(version)
 
     async def cancel(self, version: int) -> None:
         await self._call("cancel", version)
@@ -255,10 +247,7 @@ class RayRelayHost:
         await self._call("probe", pred, count)
 
     async def status(self) -> int:
-        held, shared = await self._call("status")
-        if shared >= 0:
-            self._announce(shared)
-        return held
+        return await self._call("status")
 
     async def expect_layout(self, specs: list[tuple[str, tuple[int, ...], str]]) -> None:
         await self._call("expect_layout", specs)
