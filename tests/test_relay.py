@@ -13,6 +13,8 @@ from laminar_core.relay import (
     InProcessFabric,
     InProcessTransport,
     NodeRelay,
+    RelayCancelled,
+    RelayHost,
     RelayTier,
     WeightIntegrityError,
     chain_latency,
@@ -627,5 +629,55 @@ def test_staged_publish_rejects_a_wrong_sized_export_before_anything_is_sent() -
         await tier.publish(2, [("w", torch.ones(100))])
         await tier.close()
         assert [r.version for r in relays] == [2, 2]
+
+    asyncio.run(main())
+
+
+# --- calls that reach a relay out of order (Ray's async actors do not keep call order) ----
+
+
+class LateReceive:
+    """A relay host whose ``receive`` calls reach it after the manifest's offer."""
+
+    def __init__(self, host: RelayHost) -> None:
+        self.host = host
+
+    def __getattr__(self, name: str):
+        return getattr(self.host, name)
+
+    async def receive(self, *args):
+        await asyncio.sleep(0.05)
+        return await self.host.receive(*args)
+
+
+def test_a_manifest_offered_before_its_receive_is_kept() -> None:
+    """For a small version the trainer offers the manifest at once; a relay that hears of
+    the reception only afterwards still commits (it used to drop the offer and wait for
+    the manifest until relay.timeout_s)."""
+
+    async def main() -> list[int]:
+        fabric = InProcessFabric()
+        hosts = [LateReceive(RelayHost(NodeRelay(i, i), InProcessTransport(fabric), i + 1))
+                 for i in range(2)]
+        tier = RelayTier(hosts=hosts, trainer_transport=InProcessTransport(fabric), chunks=1)
+        await tier.open()
+        for v in (1, 2):
+            await tier.publish(v, [("w", torch.full((10,), float(v)))])
+            await tier.wait_broadcast()
+        await tier.close()
+        return [h.host.relay.version for h in hosts]
+
+    assert asyncio.run(asyncio.wait_for(main(), 20)) == [2, 2]
+
+
+def test_a_called_off_attempt_is_refused_when_its_calls_arrive_late() -> None:
+    async def main() -> None:
+        host = RelayHost(NodeRelay(0, 0), InProcessTransport(InProcessFabric()), 1)
+        await host.cancel(5, attempt=3)
+        with pytest.raises(RelayCancelled):
+            await host.receive(5, 1, 0, None, 3)
+        manifest, _ = pack([("w", torch.zeros(4))], 5)
+        await host.offer_manifest(manifest, 3)  # dropped: no reception waits for it
+        assert 5 not in host._jobs
 
     asyncio.run(main())

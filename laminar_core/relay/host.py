@@ -49,6 +49,7 @@ class ForwardFailed(TransportError):
 @dataclass
 class _Job:
     version: int
+    attempt: int
     manifest: asyncio.Future
     committed: asyncio.Future
     forwarded: asyncio.Future
@@ -79,6 +80,7 @@ class RelayHost:
         self.die_at = tuple(die_at) if die_at else None
         self.on_commit = on_commit
         self._jobs: dict[int, _Job] = {}
+        self._called_off: dict[int, int] = {}  # version -> the last attempt called off
         self._serving: dict[int, asyncio.Task] = {}
         self._probe_buf = memoryview(b"")  # calibration buckets land here, then are dropped
 
@@ -104,34 +106,48 @@ class RelayHost:
 
     # --- one version ---------------------------------------------------------------------------
 
-    def _job(self, version: int) -> _Job:
+    def _job(self, version: int, attempt: int) -> _Job | None:
+        """The reception of ``version`` for the tier's ``attempt`` (made by whichever of its
+        ``receive`` and ``offer_manifest`` comes first: over Ray, an async actor does not
+        run calls in the order they were sent); ``None`` for a call of an older attempt."""
         job = self._jobs.get(version)
-        if job is None or job.committed.done():  # a new attempt at a version that failed here
+        if (job is not None and attempt < job.attempt) or attempt <= self._called_off.get(
+            version, -1
+        ):
+            return None  # a late call of an attempt that was replaced or called off
+        if job is None or attempt > job.attempt:
             loop = asyncio.get_running_loop()
-            job = _Job(version, loop.create_future(), loop.create_future(), loop.create_future())
+            job = _Job(
+                version, attempt, loop.create_future(), loop.create_future(), loop.create_future()
+            )
             for fut in (job.manifest, job.committed, job.forwarded):
                 fut.add_done_callback(_retrieve)  # outcomes nobody awaits are not "lost"
             self._jobs[version] = job
         return job
 
-    async def offer_manifest(self, manifest: WeightManifest) -> None:
-        """The manifest of the version being received (complete once the export is walked).
-
-        Only a reception in progress takes it: a late offer from an attempt that already
-        failed here must not complete a later attempt with the wrong manifest.
-        """
-        job = self._jobs.get(manifest.version)
-        if job is not None and not job.committed.done() and not job.manifest.done():
+    async def offer_manifest(self, manifest: WeightManifest, attempt: int = 0) -> None:
+        """The manifest of the version being received (complete once the export is walked),
+        for the tier's ``attempt``: it may come before or after ``receive`` of the same
+        attempt; one of an older attempt is dropped (it must not complete a later attempt
+        with the wrong manifest)."""
+        job = self._job(manifest.version, attempt)
+        if job is not None and not job.manifest.done():
             job.manifest.set_result(manifest)
 
-    async def receive(self, version: int, count: int, pred: int, nxt: int | None) -> int:
-        """Receive ``count`` buckets of ``version`` from ``pred``, forwarding each to ``nxt``.
+    async def receive(
+        self, version: int, count: int, pred: int, nxt: int | None, attempt: int = 0
+    ) -> int:
+        """Receive ``count`` buckets of ``version`` from ``pred``, forwarding each to ``nxt``
+        (``attempt``: the tier's number for this try at the version, see ``_job``).
 
         Returns the version once committed here; raises ``WeightIntegrityError`` if a bucket
         or the manifest fails its checks (the relay keeps its last good version),
-        ``RelayCancelled`` if the tier called it off, or the transport's error.
+        ``RelayCancelled`` if the tier called it off (or a newer attempt replaced this
+        one), or the transport's error.
         """
-        job = self._job(version)
+        job = self._job(version, attempt)
+        if job is None or job.tasks:
+            raise RelayCancelled(f"version {version}: attempt {attempt} was replaced")
         job.tasks.append(asyncio.ensure_future(self._run(job, count, pred, nxt)))
         return await asyncio.shield(job.committed)
 
@@ -160,10 +176,17 @@ class RelayHost:
             if job.committed.done() and job.forwarded.done():
                 self._jobs.pop(version, None)
 
-    async def cancel(self, version: int) -> None:
-        """Call off ``version`` here: stop receiving and forwarding it (a peer died). A
+    async def cancel(self, version: int, attempt: int = 0) -> None:
+        """Call off ``version`` here, up to the tier's ``attempt``: stop receiving and
+        forwarding it (a peer died), and refuse that attempt's calls that arrive later. A
         version already committed here stays (and its sharing with the node completes)."""
-        job = self._jobs.pop(version, None)
+        job = self._jobs.get(version)
+        upto = max(attempt, job.attempt if job is not None else 0)
+        self._called_off[version] = max(self._called_off.get(version, 0), upto)
+        if job is not None and job.attempt <= upto:
+            del self._jobs[version]
+        else:
+            job = None
         if job is not None:
             held = job.committed.done() and not job.committed.exception()
             if held and inspect.isawaitable(job.shared):

@@ -85,7 +85,7 @@ def _serve(conn: Any, spec: dict[str, Any]) -> None:
         async def handle(rid: int, method: str, args: tuple) -> None:
             try:
                 if method == "offer_manifest":
-                    args = (manifest_from_json(args[0]),)
+                    args = (manifest_from_json(args[0]), *args[1:])
                 if method == "expect_layout":
                     relay.expect_layout(args[0])
                     value = None
@@ -210,17 +210,19 @@ class RelayProcess:
     async def connect(self, peers: dict[int, Any]) -> None:
         await self._call("connect", peers)
 
-    async def receive(self, version: int, count: int, pred: int, nxt: int | None) -> int:
-        return await self._call("receive", version, count, pred, nxt)
+    async def receive(
+        self, version: int, count: int, pred: int, nxt: int | None, attempt: int = 0
+    ) -> int:
+        return await self._call("receive", version, count, pred, nxt, attempt)
 
-    async def offer_manifest(self, manifest: WeightManifest) -> None:
-        await self._call("offer_manifest", manifest_to_json(manifest))
+    async def offer_manifest(self, manifest: WeightManifest, attempt: int = 0) -> None:
+        await self._call("offer_manifest", manifest_to_json(manifest), attempt)
 
     async def drain(self, version: int) -> None:
         await self._call("drain", version)
 
-    async def cancel(self, version: int) -> None:
-        await self._call("cancel", version)
+    async def cancel(self, version: int, attempt: int = 0) -> None:
+        await self._call("cancel", version, attempt)
 
     async def serve(self, version: int, nxt: int) -> None:
         await self._call("serve", version, nxt)

@@ -65,10 +65,12 @@ class HostHandle(Protocol):
     def is_alive(self) -> bool: ...
     async def open(self) -> Any: ...
     async def connect(self, peers: dict[int, Any]) -> None: ...
-    async def receive(self, version: int, count: int, pred: int, nxt: int | None) -> int: ...
-    async def offer_manifest(self, manifest: WeightManifest) -> None: ...
+    async def receive(
+        self, version: int, count: int, pred: int, nxt: int | None, attempt: int
+    ) -> int: ...
+    async def offer_manifest(self, manifest: WeightManifest, attempt: int) -> None: ...
     async def drain(self, version: int) -> None: ...
-    async def cancel(self, version: int) -> None: ...
+    async def cancel(self, version: int, attempt: int) -> None: ...
     async def serve(self, version: int, nxt: int) -> None: ...
     async def probe(self, pred: int, count: int) -> None: ...
     async def status(self) -> int: ...
@@ -200,6 +202,7 @@ class RelayTier:
         # (its ``drain`` returned); how a driver-side view of a remote relay learns of it.
         self.on_ready: list[Callable[[int, int], None]] = []
         self._seen: set[tuple[int, int]] = set()  # (rank, version) on_ready already told
+        self._attempts = 0
 
     # --- membership ---------------------------------------------------------------------------
 
@@ -494,6 +497,7 @@ class RelayTier:
         """Push one version to the current master; return once it holds it, with the task
         that finishes the broadcast (the caller tracks it)."""
         loop = asyncio.get_running_loop()
+        attempt = self._next_attempt()
         packer: BucketPacker | _Staged
         if isinstance(source, _Staged):
             packer, model_bytes, chunk = source, source.bytes, source.chunk
@@ -517,7 +521,7 @@ class RelayTier:
             host = chain[i][1]
             pred = TRAINER_RANK if i == 0 else chain[i - 1][0]
             nxt = chain[i + 1][0] if i + 1 < len(chain) else None
-            await host.receive(version, count, pred, nxt)
+            await host.receive(version, count, pred, nxt, attempt)
             if i == 0 and not master_done.done():
                 master_done.set_result(loop.time())
             try:
@@ -532,7 +536,9 @@ class RelayTier:
 
         async def offer_manifest() -> None:
             m = packer.manifest
-            await asyncio.gather(*(h.offer_manifest(m) for _, h in chain), return_exceptions=True)
+            await asyncio.gather(
+                *(h.offer_manifest(m, attempt) for _, h in chain), return_exceptions=True
+            )
 
         offers: list[asyncio.Future] = []
 
@@ -555,7 +561,8 @@ class RelayTier:
 
         async def call_off() -> None:
             await asyncio.gather(
-                *(h.cancel(version) for _, h in chain if h.is_alive()), return_exceptions=True
+                *(h.cancel(version, attempt) for _, h in chain if h.is_alive()),
+                return_exceptions=True,
             )
             for j in jobs:
                 j.cancel()
@@ -605,16 +612,19 @@ class RelayTier:
                 await call_off()
                 raise _MasterLost(str(err)) from err
             # the master rejected the version: the rest of the chain drains and keeps its own
-            self._track(self._finish(version, chain, jobs, count, None))
+            self._track(self._finish(version, attempt, chain, jobs, count, None))
             raise err  # type: ignore[misc]
         self._model_bytes = model_bytes
         result = PublishResult(version, model_bytes, count, loop.time() - t0, master_rank)
-        finish = asyncio.ensure_future(self._finish(version, chain, jobs, count, packer.manifest))
+        finish = asyncio.ensure_future(
+            self._finish(version, attempt, chain, jobs, count, packer.manifest)
+        )
         return result, finish
 
     async def _finish(
         self,
         version: int,
+        attempt: int,
         chain: list[tuple[int, HostHandle]],
         jobs: list[asyncio.Task],
         count: int,
@@ -637,7 +647,8 @@ class RelayTier:
                 break
         if pending:
             await asyncio.gather(
-                *(h.cancel(version) for _, h in chain if h.is_alive()), return_exceptions=True
+                *(h.cancel(version, attempt) for _, h in chain if h.is_alive()),
+                return_exceptions=True,
             )
             for j in pending:
                 j.cancel()
@@ -658,6 +669,12 @@ class RelayTier:
             except Exception as e:
                 log.error("version %s: repair after a relay death failed: %r", version, e)
 
+    def _next_attempt(self) -> int:
+        """A new number for a try at a version: a relay pairs each ``receive`` with the
+        ``offer_manifest`` of the same try, whichever reaches it first."""
+        self._attempts += 1
+        return self._attempts
+
     def _ready(self, rank: int, version: int) -> None:
         if (rank, version) in self._seen:
             return
@@ -671,6 +688,7 @@ class RelayTier:
     async def _repair(self, version: int, count: int, manifest: WeightManifest) -> None:
         """Relays of the rebuilt chain that missed ``version`` get it from one holding it."""
         chain = list(self._chain)
+        attempt = self._next_attempt()
         held = await asyncio.gather(*(h.status() for _, h in chain), return_exceptions=True)
         have = [chain[i] for i, v in enumerate(held) if v == version]
         need = [chain[i] for i, v in enumerate(held) if isinstance(v, int) and v < version]
@@ -688,9 +706,8 @@ class RelayTier:
         async def target(i: int) -> None:
             host = sub[i][1]
             nxt = sub[i + 1][0] if i + 1 < len(sub) else None
-            got = asyncio.ensure_future(host.receive(version, count, sub[i - 1][0], nxt))
-            await asyncio.sleep(0)  # the reception exists before its manifest is offered
-            await host.offer_manifest(manifest)
+            got = asyncio.ensure_future(host.receive(version, count, sub[i - 1][0], nxt, attempt))
+            await host.offer_manifest(manifest, attempt)
             await got
             await host.drain(version)
             self._ready(sub[i][0], version)
@@ -701,7 +718,7 @@ class RelayTier:
         for t in pending:
             t.cancel()
         await asyncio.gather(
-            *(h.cancel(version) for _, h in need if h.is_alive() and pending),
+            *(h.cancel(version, attempt) for _, h in need if h.is_alive() and pending),
             return_exceptions=True,
         )
         for t, (rank, _) in zip(tasks, sub):

@@ -111,19 +111,21 @@ class RelayActorHost:
     async def connect(self, peers: dict[int, Any]) -> None:
         await self.host.connect(peers)
 
-    async def receive(self, version: int, count: int, pred: int, nxt: int | None) -> int:
-        return await self.host.receive(version, count, pred, nxt)
+    async def receive(
+        self, version: int, count: int, pred: int, nxt: int | None, attempt: int = 0
+    ) -> int:
+        return await self.host.receive(version, count, pred, nxt, attempt)
 
-    async def offer_manifest(self, manifest_json: str) -> None:
-        await self.host.offer_manifest(manifest_from_json(manifest_json))
+    async def offer_manifest(self, manifest_json: str, attempt: int = 0) -> None:
+        await self.host.offer_manifest(manifest_from_json(manifest_json), attempt)
 
     async def drain(self, version: int) -> dict[str, Any] | None:
         """Forwarded and shared; returns where the version was written (None: not here)."""
         await self.host.drain(version)
         return self.written.get(version)
 
-    async def cancel(self, version: int) -> None:
-        await self.host.cancel(version)
+    async def cancel(self, version: int, attempt: int = 0) -> None:
+        await self.host.cancel(version, attempt)
 
     async def serve(self, version: int, nxt: int) -> None:
         await self.host.serve(version, nxt)
@@ -223,22 +225,24 @@ class RayRelayHost:
     async def connect(self, peers: dict[int, Any]) -> None:
         await self._call("connect", peers)
 
-    async def receive(self, version: int, count: int, pred: int, nxt: int | None) -> int:
-        got = await self._call("receive", version, count, pred, nxt)
+    async def receive(
+        self, version: int, count: int, pred: int, nxt: int | None, attempt: int = 0
+    ) -> int:
+        got = await self._call("receive", version, count, pred, nxt, attempt)
         for cb in self.on_committed:  # before the tier hears of it (and the trainer resumes)
             cb(got)
         return got
 
-    async def offer_manifest(self, manifest: WeightManifest) -> None:
-        await self._call("offer_manifest", manifest_to_json(manifest))
+    async def offer_manifest(self, manifest: WeightManifest, attempt: int = 0) -> None:
+        await self._call("offer_manifest", manifest_to_json(manifest), attempt)
 
     async def drain(self, version: int) -> None:
         got = await self._call("drain", version)
         if got is not None:
             self.shared[version] = got
 
-    async def cancel(self, version: int) -> None:
-        await self._call("cancel", version)
+    async def cancel(self, version: int, attempt: int = 0) -> None:
+        await self._call("cancel", version, attempt)
 
     async def serve(self, version: int, nxt: int) -> None:
         await self._call("serve", version, nxt)
