@@ -10,8 +10,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from laminar_core.config import ConfigError, load_config
+from laminar_core import ConfigError, load_config
 from laminar_core.plugins import PluginResolveError, UnknownPluginError, default_manager
+from laminar_core.plugins.resolve import schedule_of
 from laminar_core.runtime.train import TrainError
 from laminar_core.sim.lengths import LengthFileError
 
@@ -78,7 +79,7 @@ def _simulate(args: argparse.Namespace) -> int:
     if args.schedules:
         schedules = [s.strip() for s in args.schedules.split(",") if s.strip()]
         for spec in schedules:
-            resolved.schedule(spec)  # validate before running anything
+            schedule_of(resolved, spec)  # validate before running anything
 
     def progress(row: dict) -> None:
         where = f"[{row['point']}] " if row["point"] else ""

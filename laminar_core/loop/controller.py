@@ -9,15 +9,14 @@ manager, write one metrics row.
 from __future__ import annotations
 
 import asyncio
-import inspect
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from laminar_core.buffers import ExperienceBuffer
-from laminar_core.interfaces import TrainerEngine
 from laminar_core.loop import checkpoint as ckpt
 from laminar_core.loop.manager import RolloutManager
+from laminar_core.loop.trainer_group import TrainerGroup
 from laminar_core.relay.tier import RelayTier
 from laminar_core.telemetry import EventLog, MetricsWriter
 from laminar_core.types import TrainBatch
@@ -41,10 +40,10 @@ class StepRecord:
 class Controller:
     def __init__(
         self,
-        trainers: list[TrainerEngine],
+        trainer: TrainerGroup,
         manager: RolloutManager,
         buffer: ExperienceBuffer,
-        relays: RelayTier,
+        tier: RelayTier,
         groups_per_step: int,
         metrics: MetricsWriter | None = None,
         events: EventLog | None = None,
@@ -53,12 +52,10 @@ class Controller:
         run_dir: Path | None = None,
         checkpoint_every: int = 0,
     ) -> None:
-        if not trainers:
-            raise ValueError("the controller needs at least one trainer rank")
-        self.trainers = trainers
+        self.trainer = trainer
         self.manager = manager
         self.buffer = buffer
-        self.relays = relays
+        self.tier = tier
         self.groups_per_step = groups_per_step
         self.metrics = metrics or MetricsWriter(None)
         self.events = events or EventLog(enabled=False)
@@ -73,25 +70,12 @@ class Controller:
         self.consumed_prompts: set[int] = set()  # prompt indices whose groups were trained on
         self._republish = False  # after a restore: replicas must get the restored weights
 
-    async def _export(self):
-        """Rank 0's weights; a proxy over remote ranks exports asynchronously.
-
-        An export that arrived whole (a list: a remote trainer's, through Ray) is handed to
-        the tier as a callable, so a master relay that dies mid-push is replaced and the
-        version replayed to the new master instead of failing the step.
-        """
-        exported = self.trainers[0].export_weights()
-        exported = await exported if inspect.isawaitable(exported) else exported
-        if isinstance(exported, list | tuple):
-            return lambda: exported
-        return exported
-
     async def save_checkpoint(self) -> Path:
         """Trainer state on every rank, then the loop's state, then the ``latest`` marker."""
         assert self.run_dir is not None, "checkpoints need a run directory"
         d = ckpt.checkpoint_dir(self.run_dir, self.step)
         d.mkdir(parents=True, exist_ok=True)
-        await asyncio.gather(*(t.save_checkpoint(str(d / ckpt.TRAINER_DIR)) for t in self.trainers))
+        await self.trainer.save_checkpoint(str(d / ckpt.TRAINER_DIR))
         prompts = self.manager.prompts
         pending = set(range(prompts.position)) - self.consumed_prompts
         ckpt.write_loop_state(
@@ -109,7 +93,7 @@ class Controller:
         prompt position; the restored weights are published before rollouts start."""
         d = ckpt.find_checkpoint(path)
         state = ckpt.read_loop_state(d)
-        await asyncio.gather(*(t.load_checkpoint(str(d / ckpt.TRAINER_DIR)) for t in self.trainers))
+        await self.trainer.load_checkpoint(str(d / ckpt.TRAINER_DIR))
         self.step = int(state["step"])
         self.manager.prompts.load_state_dict(state["prompts"])
         self.manager.resume_at(self.step)
@@ -119,12 +103,12 @@ class Controller:
     async def run(self, steps: int) -> list[StepRecord]:
         """Train until ``steps`` steps are done (counting from ``self.step``)."""
         loop = asyncio.get_running_loop()
-        await self.relays.open()
+        await self.tier.open()
         if self._republish:
-            await self.relays.publish(self.step, await self._export())
+            await self.trainer.publish(self.step, self.tier)
             # nothing runs yet: let every relay hold the restored version, so no replica
             # starts generating with the weights it loaded from disk
-            await self.relays.wait_broadcast()
+            await self.tier.wait_broadcast()
             self._republish = False
         await self.manager.start()
         # wall_seconds count from here: engines started (vLLM start-up is not loop time)
@@ -139,7 +123,7 @@ class Controller:
                     await self.save_checkpoint()
         finally:
             await self.manager.stop()
-            await self.relays.close()
+            await self.tier.close()
             self.metrics.close()
         return self.records
 
@@ -152,10 +136,10 @@ class Controller:
         if self.keep_batches:
             self.batches.append(batch)
         if self.needs_logprobs:
-            await asyncio.gather(*(t.compute_logprobs(batch) for t in self.trainers))
-        results = await asyncio.gather(*(t.train_step(batch) for t in self.trainers))
+            await self.trainer.compute_logprobs(batch)
+        metrics = await self.trainer.train_step(batch)
         version = step + 1
-        pub = await self.relays.publish(version, await self._export())
+        pub = await self.trainer.publish(version, self.tier)
         t2 = loop.time()
         self.step = version
         self.consumed_prompts.update(g.prompt_index for g in batch.groups)
@@ -166,9 +150,7 @@ class Controller:
             # A staged push: the trainer resumes now, but the rollouts hear of the step once
             # the master relay holds it (as without staging), so they do not fill up with
             # work for the old version in the moment before the new one reaches them.
-            pub.pushed.add_done_callback(
-                lambda _f: self.manager.on_trainer_step(version, consumed)
-            )
+            pub.pushed.add_done_callback(lambda _f: self.manager.on_trainer_step(version, consumed))
         rewards = [t.reward for t in trajs if t.reward is not None]
         rec = StepRecord(
             step=step,
@@ -180,7 +162,7 @@ class Controller:
             trajectories=len(trajs),
             staleness=[step - t.version for t in trajs],
             stall=pub.stall_seconds,
-            metrics=dict(results[0]),
+            metrics=dict(metrics),
             reward_mean=sum(rewards) / len(rewards) if rewards else None,
         )
         self.records.append(rec)

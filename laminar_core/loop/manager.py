@@ -23,12 +23,18 @@ import logging
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 from laminar_core.buffers import ExperienceBuffer, InFlight, PartialPool, PromptPool
-from laminar_core.interfaces import RepackPolicy, ReplicaFailure, RolloutEngine
+from laminar_core.interfaces import (
+    RepackPolicy,
+    ReplicaFailure,
+    RolloutEngine,
+    SharedVersionGone,
+    WeightsRef,
+)
 from laminar_core.loop.schedules import Schedule
-from laminar_core.relay.shm import SharedVersionGone
+from laminar_core.relay.events import RelayEvent, RelayEvents
 from laminar_core.telemetry import EventLog
 from laminar_core.types import (
     FinishReason,
@@ -60,24 +66,23 @@ class ManagerOptions:
 
 class NodeRelayLike(Protocol):
     """What the manager needs of a replica's node relay: a ``NodeRelay`` in this process,
-    or a view of one hosted on the replica's node (``relay.view.SharedRelayView``)."""
+    or the driver's proxy of one hosted on the replica's node (``relay.remote.RemoteRelay``).
+    """
 
     relay_id: int
     node: int
-    listeners: list[Callable[[int], None]]  # called with each new version
+    events: RelayEvents  # committed / shared, per version (``relay.events``)
 
     @property
-    def version(self) -> int: ...
+    def version(self) -> int:
+        """The newest version a replica on the node can load."""
 
     @property
     def alive(self) -> bool: ...
 
-    async def wait_newer(self, version: int) -> int: ...
-
-    def weights(self) -> tuple[int, Any]:
-        """``(version, named tensors)`` of the newest version for ``update_weights``: the
-        buckets of a relay in this process, a reference the replica loads on its node for
-        a remote one."""
+    def weights(self) -> WeightsRef:
+        """The newest version for ``update_weights``: the tensors of a relay in this
+        process, a reference the replica loads on its node for a remote one."""
 
 
 @dataclass(eq=False)
@@ -119,8 +124,7 @@ class RolloutManager:
         self.reward_fn = reward_fn
         self.events = events or EventLog(enabled=False)
         self.pool = PartialPool()
-        self.admitted_groups = 0
-        self.consumed_groups = 0
+        self.admission = schedule.admission(options.groups_per_step)
         self.moved = 0
         self.moves = 0
         self.redirected = 0
@@ -145,14 +149,14 @@ class RolloutManager:
         self.fatal = self._loop.create_future()
         await asyncio.gather(*(s.engine.start() for s in self.slots))
         for relay in {id(s.relay): s.relay for s in self.slots}.values():
-            relay.listeners.append(self._relay_listener(relay))
+            relay.events.subscribe(self._relay_listener(relay))
         for s in self.slots:
             if s.relay.version > s.version:  # e.g. a resumed run: load before generating
                 self._close(s.replica_id)
                 s.wake.set()
         self._bg = [asyncio.ensure_future(self._driver(s)) for s in self.slots]
         self._bg.append(asyncio.ensure_future(self._heartbeat_loop()))
-        if self.repack_policy is not None:
+        if self.repack_policy is not None and self.repack_policy.active:
             self._bg.append(asyncio.ensure_future(self._repack_loop()))
         for t in self._bg:
             t.add_done_callback(self._task_done)
@@ -184,14 +188,22 @@ class RolloutManager:
         assert self._loop is not None
         return self._loop.time()
 
+    @property
+    def admitted_groups(self) -> int:
+        return self.admission.admitted
+
+    @property
+    def consumed_groups(self) -> int:
+        return self.admission.consumed
+
     def resume_at(self, step: int) -> None:
         """Continue a run whose trainer has done ``step`` steps: batch tags count on from
         there (nothing is outstanding: groups in flight at the checkpoint are re-issued)."""
-        self.admitted_groups = self.consumed_groups = step * self.opt.groups_per_step
+        self.admission.resume_at(step)
 
     def on_trainer_step(self, version: int, consumed_groups: int) -> None:
         """The controller consumed a batch and published ``version``: admit more, repack."""
-        self.consumed_groups = consumed_groups
+        self.admission.on_consumed(consumed_groups)
         self._repack_now.set()
         self._kick()
 
@@ -232,23 +244,19 @@ class RolloutManager:
             item = self._orphans.popleft()
             item.version = slot.version
             self._launch(slot, item, None)
-        g = self.opt.groups_per_step
         samples = self.prompts.samples
-        sched = self.schedule
-        lag = sched.max_lag
-        if lag is not None and self._newest_open is None:
-            self._newest_open = max(s.version for s in self._open.values())
-        newest = self._newest_open or 0
-        while True:
-            tag = self.admitted_groups // g
-            if lag is None:
-                if not sched.admits(tag, 0, self.admitted_groups - self.consumed_groups, g):
-                    return
+        adm = self.admission
+        while adm.open():
+            tag = adm.next_tag
+            need = adm.min_version(tag)
+            if need is None:
                 slot = self._least_loaded(samples)
             else:
-                if tag > newest + lag:  # no open replica is recent enough for this batch
+                if self._newest_open is None:
+                    self._newest_open = max(s.version for s in self._open.values())
+                if need > self._newest_open:  # no open replica is recent enough
                     return
-                slot = self._least_loaded(samples, tag - lag)
+                slot = self._least_loaded(samples, need)
             if slot is None:
                 return
             self._admit_group(slot, tag)
@@ -256,7 +264,7 @@ class RolloutManager:
     def _admit_group(self, slot: ReplicaSlot, tag: int) -> None:
         group = self.prompts.next_group()
         self.buffer.expect(group.group_id, group.index, group.samples, batch_tag=tag)
-        self.admitted_groups += 1
+        self.admission.on_admitted()
         prompt = group.prompt
         base_key = group.index * group.samples
         for j in range(group.samples):
@@ -343,14 +351,17 @@ class RolloutManager:
         self._kick()
 
     # -- weights -----------------------------------------------------------------------------
-    def _relay_listener(self, relay: NodeRelayLike) -> Callable[[int], None]:
-        def on_commit(version: int) -> None:
+    def _relay_listener(self, relay: NodeRelayLike) -> Callable[[RelayEvent], None]:
+        """A newer version committed at the node's relay: its replicas stop admitting and
+        drain; once it is shared there they pull it (the driver checks ``relay.version``)."""
+
+        def on_event(event: RelayEvent) -> None:
             for s in self.slots:
-                if s.relay is relay and s.alive and version > s.version:
+                if s.relay is relay and s.alive and event.version > s.version:
                     self._close(s.replica_id)  # stop admitting; drain, then pull
                     s.wake.set()
 
-        return on_commit
+        return on_event
 
     async def _driver(self, slot: ReplicaSlot) -> None:
         while slot.alive and not self._stopping:
@@ -370,9 +381,10 @@ class RolloutManager:
         t0 = self.now()
         # what the other replicas are generating meanwhile: nobody waits for this pull
         others = sum(len(s.inflight) for s in self.slots if s is not slot and s.alive)
-        version, tensors = slot.relay.weights()
+        weights = slot.relay.weights()
+        version = weights.version
         try:
-            await slot.engine.update_weights(version, tensors)
+            await slot.engine.update_weights(weights)
         except ReplicaFailure as e:
             slot.updating = False
             self._replica_failed(slot, str(e))
@@ -393,7 +405,7 @@ class RolloutManager:
             duration=self.now() - t0,
             version=version,
             others_inflight=others,
-            node_local=bool(getattr(tensors, "node_local", False)),
+            node_local=weights.node_local,
         )
         if slot.relay.version > slot.version:
             slot.wake.set()  # an even newer one arrived meanwhile

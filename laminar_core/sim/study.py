@@ -13,9 +13,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from laminar_core.config.loader import ResolvedConfig, apply_overrides, resolve
+from laminar_core.config.loader import ResolvedConfig, apply_overrides
 from laminar_core.plugins import PluginManager, default_manager
-from laminar_core.runtime.local import LocalRun, build_local_run
+from laminar_core.plugins.resolve import resolve
+from laminar_core.runtime import Run, build_local_run
 from laminar_core.sim.clock import run_virtual
 
 RESULT_KEYS = (
@@ -46,7 +47,7 @@ def _percentile(values: list[int], q: float) -> float:
     return float(s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))])
 
 
-def summarize(run: LocalRun, wall: float, point: str = "") -> dict[str, Any]:
+def summarize(run: Run, wall: float, point: str = "") -> dict[str, Any]:
     """One result row from a finished run (throughput as the Laminar paper measures it:
     tokens of each global batch over the time between consecutive trainer updates,
     averaged over the steps after ``study.warmup_steps``)."""
@@ -88,13 +89,13 @@ def simulate_schedule(
     schedule: str | None = None,
     pm: PluginManager | None = None,
     point: str = "",
-    keep_run: list[LocalRun] | None = None,
+    keep_run: list[Run] | None = None,
 ) -> dict[str, Any]:
     """Run ``schedule`` (default: the config's) for ``run.steps`` steps on virtual time."""
     pm = pm or default_manager()
     wall0 = time.perf_counter()
 
-    async def main() -> LocalRun:
+    async def main() -> Run:
         run = build_local_run(resolved, schedule, pm, record_events=False)
         await run.controller.run(resolved.cfg.run.steps)
         return run
