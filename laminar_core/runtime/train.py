@@ -7,6 +7,7 @@ Run directory layout::
     RUN_DIR/events.jsonl       every recorded event (trajectories, pulls, moves, steps)
     RUN_DIR/trace.json         Chrome trace / Perfetto timeline of the same events
     RUN_DIR/tensorboard/       TensorBoard event files (telemetry.tensorboard)
+    RUN_DIR/wandb/             Weights & Biases files (telemetry.wandb, when a project is set)
     RUN_DIR/checkpoints/       step_N/{trainer/, loop_state.json} and ``latest``
 
 ``runtime.kind=local`` builds every engine in this process (simulated engines, tests);
@@ -25,6 +26,7 @@ from laminar_core.interfaces import TrainerContext
 from laminar_core.models import model_dir
 from laminar_core.runtime.local import LocalRun, build_local_run
 from laminar_core.telemetry import TENSORBOARD_DIR, TensorBoardSink
+from laminar_core.telemetry.wandb import WandbSink, wandb_enabled
 
 
 class TrainError(RuntimeError):
@@ -73,6 +75,8 @@ async def start_run(resolved: ResolvedConfig, run_dir: Path | None) -> LocalRun:
             metrics.on_row = _print_progress
         if cfg.telemetry.tensorboard:
             metrics.add_sink(TensorBoardSink(run_dir / TENSORBOARD_DIR))
+        if wandb_enabled(cfg.telemetry.wandb):
+            metrics.add_sink(WandbSink(cfg.telemetry.wandb, run_dir, config=resolved.to_dict()))
     if cfg.run.resume:
         where = await run.controller.restore(cfg.run.resume)
         print(f"resumed from {where} at step {run.controller.step}", flush=True)
