@@ -1,4 +1,4 @@
-"""The ``laminar`` command: train, simulate, config show, plugins.
+"""The ``laminar`` command: train, simulate, report, config show, plugins.
 
 Every expected failure (bad config, bad data file, unknown engine) ends with one line on
 stderr that names the problem, and exit status 2.
@@ -52,6 +52,11 @@ def _parser() -> argparse.ArgumentParser:
     show.add_argument("config")
     show.add_argument("overrides", nargs="*")
     sub.add_parser("plugins", help="list every discovered engine, transport, policy, schedule")
+    rep = sub.add_parser(
+        "report", help="plots and an index.html from a run directory (or a simulate --trace dir)"
+    )
+    rep.add_argument("run_dir", help="a run directory, or the directory of a simulate --trace")
+    rep.add_argument("--out", help="where to write (default: RUN_DIR/report/)")
     tiny = sub.add_parser(
         "tiny-model", help="write a tiny random-init Qwen2-style model + char tokenizer (no hub)"
     )
@@ -82,6 +87,21 @@ def _tiny_model(args: argparse.Namespace) -> int:
         print(f"laminar: error: tiny-model: {e}", file=sys.stderr)
         return 2
     print(f"wrote {out} (use it with model.path={out})")
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from laminar_core.telemetry.report import ReportError, write_report
+
+    try:
+        rep = write_report(args.run_dir, args.out)
+    except ReportError as e:
+        print(f"laminar: error: report: {e}", file=sys.stderr)
+        return 2
+    for note in rep.notes:
+        print(f"laminar report: note: {note}", file=sys.stderr)
+    names = ", ".join(p.name for p in rep.images) or "no plots"
+    print(f"wrote {rep.index} ({names}) in {rep.seconds:.1f} s")
     return 0
 
 
@@ -170,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
             return _train(args)
         if args.cmd == "tiny-model":
             return _tiny_model(args)
+        if args.cmd == "report":
+            return _report(args)
     except (ConfigError, LengthFileError, UnknownPluginError, PluginResolveError, TrainError) as e:
         print(f"laminar: error: {e}", file=sys.stderr)
         return 2

@@ -8,6 +8,7 @@ Run directory layout::
     RUN_DIR/trace.json         Chrome trace / Perfetto timeline of the same events
     RUN_DIR/tensorboard/       TensorBoard event files (telemetry.tensorboard)
     RUN_DIR/wandb/             Weights & Biases files (telemetry.wandb, when a project is set)
+    RUN_DIR/report/            plots and index.html, written by ``laminar report RUN_DIR``
     RUN_DIR/checkpoints/       step_N/{trainer/, loop_state.json} and ``latest``
 
 ``runtime.kind=local`` builds every engine in this process (simulated engines, tests);
