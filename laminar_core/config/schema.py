@@ -164,10 +164,27 @@ class RuntimeConfig:
 
 
 @dataclass
+class WandbConfig:
+    """Weights & Biases: every metrics row logged per step, next to TensorBoard.
+
+    Off while ``project`` is empty. ``mode``: ``online`` (needs ``wandb login``),
+    ``offline`` (no network or account: files under ``RUN_DIR/wandb/``, upload later with
+    ``wandb sync``) or ``disabled``. Needs the ``wandb`` package (``pip install wandb``).
+    """
+
+    project: str = ""
+    entity: str = ""  # team or user; empty: the account's default
+    mode: str = "online"
+    name: str = ""  # empty: the run directory's name
+    tags: list[str] = field(default_factory=list)
+
+
+@dataclass
 class TelemetryConfig:
     events: bool = True  # keep the event timeline (Chrome trace) in memory
     progress: bool = True  # console line per step
     tensorboard: bool = True  # RUN_DIR/tensorboard/ event files (needs the tensorboard package)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
 
 
 @dataclass

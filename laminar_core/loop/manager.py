@@ -515,7 +515,14 @@ class RolloutManager:
             src.pinned -= 1
             dst.pinned -= 1
         self.moves += 1
-        self.events.record(self.now(), "repack", src.replica_id, to=dst.replica_id, n=len(parts))
+        self.events.record(
+            self.now(),
+            "repack",
+            src.replica_id,
+            to=dst.replica_id,
+            n=len(parts),
+            ids=[p.traj_id for p in parts],  # `laminar report` draws each move on its rows
+        )
         for p in parts:
             src.inflight.discard(p.traj_id)
             item = self.pool.get(p.traj_id)

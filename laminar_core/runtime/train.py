@@ -7,6 +7,8 @@ Run directory layout::
     RUN_DIR/events.jsonl       every recorded event (trajectories, pulls, moves, steps)
     RUN_DIR/trace.json         Chrome trace / Perfetto timeline of the same events
     RUN_DIR/tensorboard/       TensorBoard event files (telemetry.tensorboard)
+    RUN_DIR/wandb/             Weights & Biases files (telemetry.wandb, when a project is set)
+    RUN_DIR/report/            plots and index.html, written by ``laminar report RUN_DIR``
     RUN_DIR/checkpoints/       step_N/{trainer/, loop_state.json} and ``latest``
 
 ``runtime.kind=local`` builds every engine in this process (simulated engines, tests);
@@ -26,6 +28,7 @@ from laminar_core.runtime.local import LocalRuntime
 from laminar_core.runtime.run import Run, Runtime
 from laminar_core.runtime.wiring import RunSpec
 from laminar_core.telemetry import TENSORBOARD_DIR, TensorBoardSink
+from laminar_core.telemetry.wandb import WandbSink, wandb_enabled
 
 
 class TrainError(RuntimeError):
@@ -76,6 +79,9 @@ async def start_run(resolved: ResolvedConfig, run_dir: Path | None) -> Run:
                 metrics.on_row = _print_progress
             if cfg.telemetry.tensorboard:
                 metrics.add_sink(TensorBoardSink(run_dir / TENSORBOARD_DIR))
+            if wandb_enabled(cfg.telemetry.wandb):
+                config = resolved.to_dict()
+                metrics.add_sink(WandbSink(cfg.telemetry.wandb, run_dir, config=config))
         if cfg.run.resume:
             where = await run.controller.restore(cfg.run.resume)
             print(f"resumed from {where} at step {run.controller.step}", flush=True)
