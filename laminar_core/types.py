@@ -1,7 +1,7 @@
 """Plain data types shared by every part of Laminar.
 
-They cross process boundaries (Ray, later), so they hold only builtins, lists and
-tensors -- never an engine object. A simulated engine does not materialise token ids:
+They cross process boundaries (Ray actors, relay processes), so they hold only builtins,
+lists and tensors -- never an engine object. A simulated engine does not materialise token ids:
 it leaves ``*_ids`` empty and reports lengths through ``num_prompt_tokens`` /
 ``num_response_tokens``; real engines fill both.
 """
@@ -130,7 +130,7 @@ class WeightManifest:
     version: int
     tensors: list[TensorSpec]
     bucket_sizes: list[int]
-    checksums: list[int]  # crc32 per bucket; -1 for phantom buckets
+    checksums: list[int]  # XXH3-64 per bucket (relay.packing.checksum); -1: phantom buckets
 
     @property
     def num_buckets(self) -> int:

@@ -138,10 +138,10 @@ class BucketPacker:
         return self._ring[self._turn]
 
     def _emit(self, data: memoryview | None, nbytes: int) -> Bucket:
-        crc = -1 if data is None else checksum(data) if self.checksum_now else UNSUMMED
+        digest = -1 if data is None else checksum(data) if self.checksum_now else UNSUMMED
         self.sizes.append(nbytes)
-        self.checksums.append(crc)
-        return Bucket(self.version, len(self.sizes) - 1, nbytes, crc, data)
+        self.checksums.append(digest)
+        return Bucket(self.version, len(self.sizes) - 1, nbytes, digest, data)
 
     def buckets(self) -> Iterator[Bucket]:
         """Every bucket of ``named_tensors`` (the tensors given at construction)."""
