@@ -66,7 +66,7 @@ def check_accounting(run: Run) -> None:
     assert sum(map(len, parts)) == len(set().union(*parts)), "a trajectory is in two places"
     assert set().union(*parts) == admitted, "a trajectory was lost"
     steps = run.resolved.cfg.run.steps
-    assert len(consumed) == steps * run.controller.groups_per_step * 4
+    assert len(consumed) == steps * run.controller.opt.groups_per_step * 4
     # replicas hold only what the partial-response pool tracks (no leaked entry that would
     # keep a replica from ever draining); the pool may also hold trajectories between
     # replicas (mid-move, mid-update under partial rollout) when the run stopped

@@ -19,6 +19,7 @@ DATA_SOURCES = ("synthetic", "jsonl", "parquet", "task")
 def check_values(cfg: LaminarConfig) -> None:
     """Every schema-level check (see module docstring)."""
     _positive(cfg)
+    _buffer(cfg)
     _data_reward(cfg)
     _runtime(cfg)
     import torch  # only here: parsing a config must not pay for torch
@@ -46,6 +47,8 @@ def _positive(cfg: LaminarConfig) -> None:
         ("trainer.mini_batches", cfg.trainer.mini_batches, 1),
         ("repack.batch_limit", cfg.repack.batch_limit, 1),
         ("study.warmup_steps", cfg.study.warmup_steps, 0),
+        ("rollout.max_restarts", cfg.rollout.max_restarts, 0),
+        ("trainer.max_restarts", cfg.trainer.max_restarts, 0),
     ]
     for key, value, low in rules:
         if value < low:
@@ -55,6 +58,7 @@ def _positive(cfg: LaminarConfig) -> None:
         ("rollout.heartbeat_timeout_s", cfg.rollout.heartbeat_timeout_s),
         ("model.params_b", cfg.model.params_b),
         ("buffer.max_ahead_batches", cfg.buffer.max_ahead_batches),
+        ("rollout.restart_window_s", cfg.rollout.restart_window_s),
     ]:
         if not value > 0:
             raise ConfigError(f"{key} must be > 0 (got {value})")
@@ -63,6 +67,7 @@ def _positive(cfg: LaminarConfig) -> None:
         ("rollout.partial_sync_s", cfg.rollout.partial_sync_s),
         ("relay.chunks", cfg.relay.chunks),
         ("relay.bucket_mb", cfg.relay.bucket_mb),
+        ("relay.max_unavailable_s", cfg.relay.max_unavailable_s),
     ]:
         if value < 0:
             raise ConfigError(f"{key} must be >= 0 (got {value})")
@@ -118,6 +123,22 @@ def _runtime(cfg: LaminarConfig) -> None:
             raise ConfigError(f"{key} must be >= 0 (got {value})")
     if not rt.start_timeout_s > 0:
         raise ConfigError(f"runtime.start_timeout_s must be > 0 (got {rt.start_timeout_s})")
+
+
+STALE_POLICIES = ("drop", "wait")
+
+
+def _buffer(cfg: LaminarConfig) -> None:
+    b = cfg.buffer
+    if b.max_staleness is not None and b.max_staleness < 0:
+        raise ConfigError(
+            f"buffer.max_staleness must be >= 0, or null for no bound (got {b.max_staleness})"
+        )
+    if b.stale_policy not in STALE_POLICIES:
+        raise ConfigError(
+            f"buffer.stale_policy: unknown '{b.stale_policy}'"
+            f"{close_match(b.stale_policy, STALE_POLICIES)}; known: {', '.join(STALE_POLICIES)}"
+        )
 
 
 def _data_reward(cfg: LaminarConfig) -> None:

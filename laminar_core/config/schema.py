@@ -21,6 +21,7 @@ class RunConfig:
     out_dir: str = "runs"
     checkpoint_every: int = 0  # steps between checkpoints; 0: only at the end; -1: never
     resume: str = ""  # a run directory (or one of its checkpoints) to continue from
+    checkpoint_on_stop: bool = True  # Ctrl-C / SIGTERM: save a checkpoint before stopping
 
 
 @dataclass
@@ -92,12 +93,19 @@ class RolloutConfig:
     heartbeat_s: float = 1.0
     heartbeat_timeout_s: float = 10.0
     partial_sync_s: float = 5.0  # refresh the partial-response pool; 0 = only on abort
+    # A failed replica is re-initialised in place (runtimes that host replicas apart from
+    # the driver); after max_restarts failures within restart_window_s it is evicted.
+    max_restarts: int = 3
+    restart_window_s: float = 600.0
 
 
 @dataclass
 class TrainerConfig:
     engine: str = "sim"
     mini_batches: int = 16
+    # A dead rank (or a collective that timed out) restarts the trainer group from the
+    # latest checkpoint while rollouts go on; more than max_restarts stops the run.
+    max_restarts: int = 2
 
 
 @dataclass
@@ -114,6 +122,9 @@ class RelayConfig:
     max_chunks: int = 4096  # upper bound on k*
     shm_dir: str = "/dev/shm/laminar"  # where relays share versions with their node's rollouts
     timeout_s: float = 600.0  # a broadcast (or repair) that takes longer is called off
+    # No replica could receive a new version for this long (every relay dead and not coming
+    # back): the run stops rather than training on ever older data. 0: never.
+    max_unavailable_s: float = 300.0
     # Real weights: copy each version into host buffers and let the trainer resume at once
     # (its stall is that copy; the push to the master runs in the background). false: the
     # trainer waits until the master relay holds the version (no extra host copy).
@@ -132,6 +143,11 @@ class RepackConfig:
 class BufferConfig:
     sampler: str = "auto"  # auto: the schedule's own (fifo for laminar, by_batch otherwise)
     max_ahead_batches: float = 4.0  # laminar: outstanding groups <= this many steps' worth
+    # A group older than this many versions when the trainer would take it is not trained
+    # on (null: no bound): ``drop`` discards it and hands its prompt out again; ``wait``
+    # keeps the trainer from running ahead of its rollouts by more than the bound.
+    max_staleness: int | None = 8
+    stale_policy: str = "drop"
 
 
 @dataclass
@@ -156,6 +172,9 @@ class RuntimeConfig:
     kind: str = "local"
     address: str = ""
     device: str = "auto"  # auto | cpu | cuda
+    # Follow the Ray cluster: a node that joins gets a relay and replicas, one that leaves
+    # is evicted. Fixed-size runs (false) are the default.
+    elastic: bool = False
     num_cpus: int = 0  # local cluster only; 0: enough logical CPUs for every actor
     cpus_per_trainer: float = 1.0
     cpus_per_replica: float = 1.0

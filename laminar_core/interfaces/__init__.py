@@ -3,7 +3,12 @@
 from laminar_core.interfaces.build import BuildContext, build
 from laminar_core.interfaces.repack import RepackPolicy
 from laminar_core.interfaces.rollout import ReplicaFailure, RolloutEngine
-from laminar_core.interfaces.trainer import TrainerContext, TrainerEngine, iterate_in_thread
+from laminar_core.interfaces.trainer import (
+    TrainerContext,
+    TrainerEngine,
+    TrainerFailure,
+    iterate_in_thread,
+)
 from laminar_core.interfaces.transport import Alloc, TransportError, WeightTransport
 from laminar_core.interfaces.weights import (
     ModelOnly,
@@ -25,6 +30,7 @@ __all__ = [
     "TensorWeights",
     "TrainerContext",
     "TrainerEngine",
+    "TrainerFailure",
     "TransportError",
     "WeightTransport",
     "WeightsRef",

@@ -13,6 +13,15 @@ import torch
 from laminar_core.types import TrainBatch
 
 
+class TrainerFailure(RuntimeError):
+    """A trainer rank is gone, or a collective timed out: the group cannot go on as it is.
+
+    Raised by a trainer group (``loop.trainer_group``) or by an engine whose collective
+    timed out; the controller restarts the group from the latest checkpoint (up to
+    ``trainer.max_restarts`` times) while the rollouts keep generating.
+    """
+
+
 @dataclass
 class TrainerContext:
     """What a trainer rank is told at ``setup``.

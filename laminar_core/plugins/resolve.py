@@ -129,6 +129,12 @@ def validate(cfg: LaminarConfig, pm: PluginManager) -> None:
                 f"buffer.sampler=fifo cannot bound staleness for schedule "
                 f"'{spec}'; use auto or by_batch"
             )
+        bound = cfg.buffer.max_staleness
+        if sched.max_lag is not None and bound is not None and sched.max_lag > bound:
+            raise ConfigError(
+                f"schedule '{spec}' allows staleness {sched.max_lag}, above "
+                f"buffer.max_staleness={bound}: raise buffer.max_staleness (or null)"
+            )
     if cfg.rollout.partial_rollout and not any(
         split_schedule_name(s)[0] == "stale" for s in [cfg.schedule, *cfg.study.schedules]
     ):

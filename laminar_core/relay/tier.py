@@ -123,6 +123,7 @@ class RelayTier:
         self.timeout_s = timeout_s
         self.history: list[PublishResult] = []
         self._last_version: int | None = None
+        self._held: Outgoing | None = None  # the newest version a master took (for catch-up)
         self._attempts = 0
         self._background: set[asyncio.Future] = set()  # broadcasts (and repairs) under way
 
@@ -226,6 +227,47 @@ class RelayTier:
             self.push.link[1],
         )
         return self.push.link
+
+    # --- a relay coming back ----------------------------------------------------------------------
+
+    async def rejoin(self, host: HostHandle) -> None:
+        """``host`` (a relay of this tier, replaced after it died: same rank, new process)
+        joins the chain again and catches up: it gets the newest version from a relay that
+        holds it, or, if no live relay does (it was the only one), from the trainer's staged
+        copy. A publish waits for this (it is a background job of the tier)."""
+        me = asyncio.ensure_future(self._rejoin(host))
+        self._background.add(me)
+        me.add_done_callback(self._background.discard)
+        await me
+
+    async def _rejoin(self, host: HostHandle) -> None:
+        current = asyncio.current_task()
+        others = [f for f in self._background if f is not current]
+        await asyncio.gather(*others, return_exceptions=True)
+        rank = next(r for r, h in self.chain.hosts if h is host)
+        self.chain.endpoints[rank] = await host.open()
+        await self.chain.refresh(self.push.connect, force=True)
+        held = self._held
+        if held is None:
+            return  # nothing published yet: the next publish reaches it
+        live = list(self.chain.live)
+        statuses = await asyncio.gather(*(h.status() for _, h in live), return_exceptions=True)
+        if any(v == held.version for v in statuses):
+            await self.chain.repair(
+                held.version, held.count, held.manifest, self._next_attempt(), self.timeout_s
+            )
+        elif held.staged:
+            log.warning("relay rank %s: catching up from the trainer's staged copy", rank)
+            attempt = _Attempt(self, held, live, self._next_attempt())
+            await attempt.push()
+            await attempt.finish(held.manifest)
+        else:
+            log.warning(
+                "relay rank %s: no live relay holds version %s and it was not staged: the "
+                "next publish reaches it",
+                rank,
+                held.version,
+            )
 
     # --- publishing ------------------------------------------------------------------------------
 
@@ -350,6 +392,7 @@ class RelayTier:
         attempt = _Attempt(self, out, list(self.chain.live), self._next_attempt())
         await attempt.push()
         self.push.model_bytes = out.nbytes
+        self._held = out
         loop = asyncio.get_running_loop()
         result = PublishResult(
             out.version, out.nbytes, out.count, loop.time() - t0, attempt.master[0]

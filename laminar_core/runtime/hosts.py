@@ -8,6 +8,8 @@ look like a ``RolloutEngine`` and a ``TrainerGroup`` to the controller and the m
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -39,6 +41,11 @@ class RolloutHost:
     async def call(self, method: str, *args: Any) -> Any:
         return await getattr(self.engine, method)(*args)
 
+    def shm_files(self) -> list[str]:
+        """Shared-memory files (``/dev/shm``) this actor's engine processes have mapped: what
+        a replica killed without a goodbye leaves behind (vLLM's message queues)."""
+        return shm_files_of(os.getpid())
+
     async def load(self, version: int, tensors: list[tuple[str, torch.Tensor]]) -> None:
         """``update_weights`` with tensors that came through Ray's object store."""
         await self.engine.update_weights(TensorWeights(version, tensors))
@@ -59,6 +66,9 @@ class TrainerHost:
         self.engine, resolved = _engine(config_yaml, "trainer", rank, "trainer", gpus)
         self.cfg = resolved.cfg
         self.options = resolved.engine_options.get("trainer")
+
+    def ping(self) -> bool:
+        return True
 
     def rendezvous(self) -> str:
         """``tcp://ip:port`` on this node for torch.distributed's rendezvous (rank 0)."""
@@ -90,3 +100,38 @@ class TrainerHost:
         async for _ in self.engine.export_weights():  # take part in every gather, keep nothing
             pass
         return None
+
+
+def shm_files_of(pid: int) -> list[str]:
+    """``/dev/shm`` files mapped by process ``pid`` and its descendants (from /proc)."""
+    import psutil
+
+    try:
+        procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    except psutil.Error:
+        return []
+    found: set[str] = set()
+    for p in procs:
+        try:
+            maps = Path(f"/proc/{p.pid}/maps").read_text()
+        except OSError:
+            continue
+        for line in maps.splitlines():
+            path = line.split(maxsplit=5)[-1] if line.count(" ") >= 5 else ""
+            # already unlinked (its owner cleaned up), or a relay's version (its own cleanup)
+            ours = path.startswith("/dev/shm/") and not path.startswith("/dev/shm/laminar")
+            if ours and not path.endswith("(deleted)"):
+                found.add(path)
+    return sorted(found)
+
+
+def remove_files(paths: list[str]) -> int:
+    """Unlink ``paths`` that still exist; how many were removed."""
+    removed = 0
+    for p in paths:
+        try:
+            os.unlink(p)
+            removed += 1
+        except OSError:
+            pass
+    return removed

@@ -25,8 +25,13 @@ class LocalRuntime:
     """Builds a run's parts in this process (``runtime.run.Runtime``).
 
     ``shared`` is the engines' build state (``BuildContext.shared``: e.g. the in-process
-    transport's fabric), kept so a part built again later (a restart) joins the same run.
+    transport's fabric), kept so a part built again later joins the same run. Its parts live
+    and die with the driver: a replica that fails here is a machine lost for good (what the
+    simulator's failure studies model), so the loop does not ask for restarts (``recovers``);
+    the ``restart_*`` hooks work when called.
     """
+
+    recovers = False
 
     def __init__(self, spec: RunSpec) -> None:
         self.spec = spec

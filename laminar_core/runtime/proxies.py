@@ -15,7 +15,13 @@ from typing import Any
 
 import ray
 
-from laminar_core.interfaces import ReplicaFailure, RolloutEngine, TensorWeights, WeightsRef
+from laminar_core.interfaces import (
+    ReplicaFailure,
+    RolloutEngine,
+    TensorWeights,
+    TrainerFailure,
+    WeightsRef,
+)
 from laminar_core.relay.tier import PublishResult, RelayTier
 from laminar_core.runtime.ray_calls import ACTOR_GONE, RayTaskError, engine_error
 from laminar_core.types import (
@@ -28,9 +34,14 @@ from laminar_core.types import (
 
 
 class RayRolloutEngine(RolloutEngine):
+    """A replica actor as a ``RolloutEngine``. ``shm_files`` lists the shared-memory files
+    its engine mapped once started (the runtime removes them if the actor dies without a
+    goodbye)."""
+
     def __init__(self, replica_id: str, handle: Any) -> None:
         self.replica_id = replica_id
         self.handle = handle
+        self.shm_files: list[str] = []
 
     async def _remote(self, call: Any) -> Any:
         try:
@@ -45,6 +56,7 @@ class RayRolloutEngine(RolloutEngine):
 
     async def start(self) -> None:
         await self._call("start")
+        self.shm_files = await self._remote(self.handle.shm_files.remote())
 
     async def generate(self, request: GenerationRequest) -> Trajectory:
         return await self._call("generate", request)
@@ -74,8 +86,20 @@ class RayRolloutEngine(RolloutEngine):
             await self._call("stop")
 
 
+_COLLECTIVE_ERRORS = ("gloo", "nccl", "connection closed", "connection reset", "timed out")
+
+
+def _collective_error(e: BaseException) -> bool:
+    text = f"{type(e).__name__}: {e}".lower()
+    return isinstance(e, RuntimeError | ConnectionError) and any(
+        m in text for m in _COLLECTIVE_ERRORS
+    )
+
+
 class RayTrainerGroup:
-    """All ranks of one trainer group (``loop.trainer_group.TrainerGroup``)."""
+    """All ranks of one trainer group (``loop.trainer_group.TrainerGroup``). A rank whose
+    actor is gone fails the call with ``TrainerFailure`` (the controller restarts the group);
+    an engine's own exception surfaces as itself."""
 
     def __init__(self, handles: list[Any], init_method: str, options: dict) -> None:
         self.handles = handles
@@ -85,8 +109,25 @@ class RayTrainerGroup:
     async def _all(self, calls: list[Any]) -> list[Any]:
         try:
             return await asyncio.gather(*calls)
+        except ACTOR_GONE as e:
+            raise TrainerFailure(f"a trainer rank is gone: {e}") from e
         except RayTaskError as e:
-            raise engine_error(e) from None
+            cause = engine_error(e)
+            # A rank that died takes its peers' collectives down with it, often before Ray
+            # reports the death: a failed call with a dead rank, or a collective's own error
+            # (a peer's connection closed, a timeout), is the group's failure.
+            if not await self._all_alive() or _collective_error(cause):
+                raise TrainerFailure(f"the trainer group broke: {cause}") from cause
+            raise cause from None
+
+    async def _all_alive(self, timeout_s: float = 10.0) -> bool:
+        try:
+            await asyncio.wait_for(
+                asyncio.gather(*(h.ping.remote() for h in self.handles)), timeout_s
+            )
+            return True
+        except Exception:
+            return False
 
     async def _call(self, method: str, *args: Any) -> list[Any]:
         return await self._all([h.call.remote(method, *args) for h in self.handles])

@@ -45,7 +45,7 @@ from laminar_core.relay.node import NodeRelay
 from laminar_core.relay.tier import RelayTier
 from laminar_core.runtime.hosts import RolloutHost, TrainerHost
 from laminar_core.runtime.proxies import RayRolloutEngine, RayTrainerGroup
-from laminar_core.runtime.relay_actor import RayRelay, spawn_relay
+from laminar_core.runtime.relay_actor import RayRelay, relay_actor, spawn_relay
 from laminar_core.runtime.run import Run, Started
 from laminar_core.runtime.wiring import RunSpec, assemble, relay_tier_options
 from laminar_core.tasks import build_prompts, build_reward
@@ -67,18 +67,20 @@ class RuntimeStartError(RuntimeError):
     """The cluster could not host the run (resources, an actor that failed to start)."""
 
 
-def init_ray(resolved: ResolvedConfig, needed_cpus: float) -> None:
-    """Join ``runtime.address`` or start a local cluster sized for the run (idempotent)."""
+def init_ray(resolved: ResolvedConfig, needed_cpus: float) -> bool:
+    """Join ``runtime.address`` or start a local cluster sized for the run (idempotent);
+    True if this call started a local cluster (the run then shuts it down at the end)."""
     if ray.is_initialized():
-        return
+        return False
     rt = resolved.cfg.runtime
     env = {k: os.environ.get(k, v) for k, v in WORKER_ENV.items()}
     kwargs: dict[str, Any] = {"runtime_env": {"env_vars": env}, "logging_level": logging.WARNING}
     if rt.address:
         ray.init(address=rt.address, **kwargs)
-    else:
-        cpus = rt.num_cpus or max(int(needed_cpus + 0.999), os.cpu_count() or 1)
-        ray.init(num_cpus=cpus, include_dashboard=False, **kwargs)
+        return False
+    cpus = rt.num_cpus or max(int(needed_cpus + 0.999), os.cpu_count() or 1)
+    ray.init(num_cpus=cpus, include_dashboard=False, **kwargs)
+    return True
 
 
 def load_tokenizer(resolved: ResolvedConfig):
@@ -104,6 +106,8 @@ class RayRuntime:
     ``shm_root``; ``close`` kills the actors, frees the group and deletes the directory.
     """
 
+    recovers = True  # a failed replica, relay or trainer group is started again
+
     def __init__(self, spec: RunSpec) -> None:
         self.spec = spec
         self.config_yaml = spec.resolved.to_yaml()
@@ -112,6 +116,12 @@ class RayRuntime:
         self.relays: list[RayRelay] = []
         self.shm_root: str | None = None
         self.gpu = False  # whether bundles reserve GPUs (runtime.device)
+        self.trainer_handles: list[Any] = []
+        self.replica_handles: list[Any] = []
+        self.replica_engines: list[RayRolloutEngine] = []  # the proxies, per replica
+        self.replica_nodes: list[str] = []  # Ray node id per replica
+        self.relay_nodes: list[str] = []  # Ray node id per relay
+        self.own_cluster = False  # this run started the local Ray cluster: it ends with it
 
     # --- start ---------------------------------------------------------------------------------
 
@@ -181,6 +191,7 @@ class RayRuntime:
             for rank in range(world)
         ]
         self.actors += actors
+        self.trainer_handles = actors
         return actors
 
     async def start(self) -> Run:
@@ -193,11 +204,13 @@ class RayRuntime:
         if spec.reward_fn is None:
             spec = dataclasses.replace(spec, reward_fn=build_reward(resolved, tokenizer, spec.pm))
         needed = place.trainer_gpus * rt.cpus_per_trainer + place.replicas * rt.cpus_per_replica
-        init_ray(resolved, needed)
+        self.own_cluster = init_ray(resolved, needed)
         try:
             await self._reserve()
             ranks = self._trainer_actors()
-            replicas = [self._replica_actor(i) for i in range(place.replicas)]
+            replicas = self.replica_handles = [
+                self._replica_actor(i) for i in range(place.replicas)
+            ]
             try:
                 nodes = await _with_timeout(
                     asyncio.gather(*(h.node_id.remote() for h in replicas)), rt.start_timeout_s
@@ -205,6 +218,7 @@ class RayRuntime:
                 init = await ranks[0].rendezvous.remote()
             except Exception as e:
                 raise RuntimeStartError(f"an actor failed to start: {e}") from e
+            self.replica_nodes = list(nodes)
             place = place.on_nodes(nodes)
             trainer = RayTrainerGroup(ranks, init, {"seed": cfg.run.seed})
             tier, relays = self._relay_tier(list(dict.fromkeys(nodes)))
@@ -214,8 +228,12 @@ class RayRuntime:
                 raise RuntimeStartError(f"the trainer group or a relay failed to start: {e}") from e
         except BaseException:
             self._release()
+            if self.own_cluster:
+                ray.shutdown()
             raise
-        engines = [RayRolloutEngine(f"r{i}", h) for i, h in enumerate(replicas)]
+        engines = self.replica_engines = [
+            RayRolloutEngine(f"r{i}", h) for i, h in enumerate(replicas)
+        ]
         started = Started(trainer, engines, tier, relays, place, dataset, report)
         return assemble(spec, started, self)
 
@@ -242,6 +260,7 @@ class RayRuntime:
             relay = spawn_relay(self.config_yaml, i, i, i + 1, self.shm_root, node_id)
             self.actors.append(relay.handle)
             self.relays.append(relay)
+            self.relay_nodes.append(node_id)
         trainer_transport = build(transport, spec.context("relay", 0, "trainer", 1, {}))
         tier = RelayTier(
             list(self.relays), trainer_transport, calibrate=cfg.relay.calibrate, **options
@@ -259,14 +278,20 @@ class RayRuntime:
         with contextlib.suppress(Exception):  # a dead or broken group: the actors go anyway
             await run.trainer.close()
         self._release()
+        if self.own_cluster:  # its workers, raylet and GCS go with the run
+            ray.shutdown()
+            self.own_cluster = False
 
     def _release(self) -> None:
         """Kill the run's actors, free its placement group, and delete what its relays
-        shared on this node (a relay that closes deletes its own; one killed cannot)."""
+        shared on this node and what its replicas' engines left in shared memory (an engine
+        or relay that closes deletes its own; one that was killed cannot)."""
         for a in self.actors:
             with contextlib.suppress(Exception):  # already gone
                 ray.kill(a)
         self.actors.clear()
+        for index in range(len(self.replica_engines)):
+            self._remove_shm(index)
         if self.pg is not None:
             with contextlib.suppress(Exception):
                 remove_placement_group(self.pg)
@@ -276,11 +301,85 @@ class RayRuntime:
 
     # --- recovery ------------------------------------------------------------------------------
 
+    def _kill(self, *handles: Any) -> None:
+        for h in handles:
+            with contextlib.suppress(Exception):  # already gone
+                ray.kill(h, no_restart=True)
+        self.actors = [a for a in self.actors if all(a is not h for h in handles)]
+
+    def _remove_shm(self, index: int) -> None:
+        """Remove the shared-memory files replica ``index``'s engine left (on its node)."""
+        files = self.replica_engines[index].shm_files if index < len(self.replica_engines) else []
+        if not files:
+            return
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        from laminar_core.runtime.hosts import remove_files
+
+        node = self.replica_nodes[index]
+        with contextlib.suppress(Exception):  # the node is gone: so is its /dev/shm
+            task = ray.remote(num_cpus=0)(remove_files).options(
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)
+            )
+            ray.get(task.remote(files), timeout=30)
+
     async def restart_replica(self, run: Run, index: int) -> RolloutEngine:
-        raise NotImplementedError("replica restarts in the Ray runtime")
+        """A new replica actor in the same placement-group bundle (the same node), started;
+        the old one is killed first (it may be hung, not dead) and what it left in shared
+        memory removed."""
+        rt = self.spec.resolved.cfg.runtime
+        self._kill(self.replica_handles[index])
+        await asyncio.to_thread(self._remove_shm, index)
+        handle = self.replica_handles[index] = self._replica_actor(index)
+        engine = self.replica_engines[index] = RayRolloutEngine(f"r{index}", handle)
+        try:
+            node = await _with_timeout(handle.node_id.remote(), rt.start_timeout_s)
+            if node != self.replica_nodes[index]:
+                raise RuntimeStartError(
+                    f"its bundle moved to another node ({node}): its node is gone"
+                )
+            await _with_timeout(engine.start(), rt.start_timeout_s)
+        except BaseException:
+            self._kill(handle)
+            raise
+        return engine
 
     async def restart_relay(self, run: Run, relay_id: int) -> None:
-        raise NotImplementedError("relay restarts in the Ray runtime")
+        """A new relay actor on the dead one's node, in its place in the chain, caught up to
+        the newest version (``RelayTier.rejoin``)."""
+        if self.shm_root is None:
+            raise RuntimeError("relays in the driver are not restarted")
+        relay = self.relays[relay_id]
+        self._kill(relay.handle)
+        handle = relay_actor(
+            self.config_yaml,
+            relay_id,
+            relay.node,
+            relay_id + 1,
+            self.shm_root,
+            self.relay_nodes[relay_id],
+        )
+        self.actors.append(handle)
+        try:
+            await _with_timeout(
+                handle.node_id.remote(), self.spec.resolved.cfg.runtime.start_timeout_s
+            )
+        except BaseException:
+            self._kill(handle)
+            raise
+        relay.rebind(handle)
+        await run.tier.rejoin(relay)
 
     async def restart_trainer(self, run: Run) -> TrainerGroup:
-        raise NotImplementedError("trainer restarts in the Ray runtime")
+        """Every rank killed and started again in its bundle, set up (not restored)."""
+        rt = self.spec.resolved.cfg.runtime
+        self._kill(*self.trainer_handles)
+        ranks = self._trainer_actors()
+        try:
+            init = await _with_timeout(ranks[0].rendezvous.remote(), rt.start_timeout_s)
+            group = RayTrainerGroup(ranks, init, {"seed": self.spec.resolved.cfg.run.seed})
+            await _with_timeout(group.setup(), rt.start_timeout_s)
+        except BaseException:
+            self._kill(*ranks)
+            raise
+        return group

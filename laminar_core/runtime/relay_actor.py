@@ -109,12 +109,46 @@ class RayRelay(RemoteRelay):
         except RayTaskError as e:
             raise engine_error(e) from None
 
+    def rebind(self, handle: Any) -> None:
+        """Drive a new actor in place of a dead one (same relay id, node and chain rank):
+        the proxy, its event stream and what it wrote so far stay; the tier's ``rejoin``
+        then opens the new endpoint and catches the relay up."""
+        if self._watch is not None:
+            self._watch.cancel()
+        self.handle, self._watch = handle, None
+        self._dead, self._closed = None, False
+
     async def close(self) -> None:
         try:
             await super().close()
         finally:
             if self._watch is not None:
                 self._watch.cancel()
+
+
+def relay_actor(
+    config_yaml: str,
+    relay_id: int,
+    node: int,
+    rank: int,
+    shm_root: str,
+    ray_node_id: str,
+    die_at: tuple[int, int] | None = None,
+) -> Any:
+    """Start a relay actor on Ray node ``ray_node_id`` (no CPU reserved: it mostly waits on
+    the transport); returns its actor handle."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return (
+        ray.remote(RelayActor)
+        .options(
+            num_cpus=0,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(ray_node_id, soft=False),
+            max_concurrency=MAX_CONCURRENCY,
+        )
+        .remote(config_yaml, relay_id, node, rank, shm_root, die_at)
+    )
 
 
 def spawn_relay(
@@ -126,18 +160,6 @@ def spawn_relay(
     ray_node_id: str,
     die_at: tuple[int, int] | None = None,
 ) -> RayRelay:
-    """Start a relay actor on Ray node ``ray_node_id`` (no CPU reserved: it mostly waits on
-    the transport) and return the driver's handle on it."""
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    handle = (
-        ray.remote(RelayActor)
-        .options(
-            num_cpus=0,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(ray_node_id, soft=False),
-            max_concurrency=MAX_CONCURRENCY,
-        )
-        .remote(config_yaml, relay_id, node, rank, shm_root, die_at)
-    )
+    """A relay actor on ``ray_node_id`` and the driver's handle on it."""
+    handle = relay_actor(config_yaml, relay_id, node, rank, shm_root, ray_node_id, die_at)
     return RayRelay(handle, relay_id, node, shm_root)

@@ -76,7 +76,10 @@ class Run:
 
 
 class Runtime(Protocol):
-    """Starts and stops one run's parts (see module docstring)."""
+    """Starts and stops one run's parts (see module docstring). ``recovers``: whether its
+    ``restart_*`` hooks bring failed parts back (the loop then asks it to)."""
+
+    recovers: bool
 
     async def start(self) -> Run: ...
 

@@ -18,11 +18,14 @@ Run directory layout::
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import signal
 import sys
 import time
 from pathlib import Path
 
 from laminar_core.config.loader import ResolvedConfig
+from laminar_core.loop.controller import install_stop_handlers
 from laminar_core.models import model_dir
 from laminar_core.runtime.local import LocalRuntime
 from laminar_core.runtime.run import Run, Runtime
@@ -105,24 +108,39 @@ def train(resolved: ResolvedConfig) -> Path:
     print(f"run directory: {run_dir}", flush=True)
 
     async def main() -> None:
+        loop = asyncio.get_running_loop()
+        # until the run's own handlers are in place, SIGTERM cancels the start-up cleanly
+        # (what was started is released) instead of killing the process under it
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
         try:
             run = await start_run(resolved, run_dir)
         except (FileNotFoundError, ImportError, RuntimeError, ValueError) as e:
             raise TrainError(f"the run could not start: {type(e).__name__}: {e}") from e
+        finally:
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.remove_signal_handler(signal.SIGTERM)
         report = run.data_report
         if report is not None and report.skipped:
             print(f"data: {report.summary()}", file=sys.stderr, flush=True)
+        restore = install_stop_handlers(run.controller)
         try:
             records = await run.controller.run(resolved.cfg.run.steps)
+            if run.controller.stop_requested:
+                print(f"stopped at step {run.controller.step} (as asked)", flush=True)
             print(_summary(records), flush=True)
         except (RuntimeError, ValueError) as e:
             raise TrainError(f"the run stopped: {type(e).__name__}: {e}") from e
         finally:
+            restore()
             run.events.write_jsonl(run_dir / "events.jsonl")
             run.events.write_chrome_trace(run_dir / "trace.json")
             await close_run(run)
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    except asyncio.CancelledError:
+        raise KeyboardInterrupt from None  # SIGTERM during start-up: stopped, cleaned up
     return run_dir
 
 

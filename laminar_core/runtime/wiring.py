@@ -14,11 +14,12 @@ from typing import Any
 from laminar_core.buffers import ExperienceBuffer, PromptPool
 from laminar_core.config.loader import ResolvedConfig
 from laminar_core.interfaces import BuildContext, build
-from laminar_core.loop.controller import Controller
+from laminar_core.loop.controller import Controller, ControllerOptions
 from laminar_core.loop.manager import ManagerOptions, ReplicaSlot, RewardFn, RolloutManager
 from laminar_core.loop.schedules import Schedule
 from laminar_core.plugins import PluginManager, default_manager
 from laminar_core.plugins.resolve import make_schedule
+from laminar_core.relay.node import NodeRelay
 from laminar_core.runtime.placement import Placement, plan_placement
 from laminar_core.runtime.run import Run, Runtime, Started
 from laminar_core.tasks import build_prompts
@@ -118,6 +119,8 @@ def assemble(spec: RunSpec, started: Started, runtime: Runtime) -> Run:
         heartbeat_s=cfg.rollout.heartbeat_s,
         heartbeat_timeout_s=cfg.rollout.heartbeat_timeout_s,
         partial_sync_s=cfg.rollout.partial_sync_s,
+        max_restarts=cfg.rollout.max_restarts,
+        restart_window_s=cfg.rollout.restart_window_s,
     )
     repack = build(spec.pm.get("repack", cfg.repack.policy), spec.context("repack", 0, "", 0, {}))
     manager = RolloutManager(
@@ -136,14 +139,21 @@ def assemble(spec: RunSpec, started: Started, runtime: Runtime) -> Run:
         manager,
         buffer,
         started.tier,
-        cfg.data.prompts_per_step,
+        ControllerOptions(
+            groups_per_step=cfg.data.prompts_per_step,
+            needs_logprobs=cfg.algorithm.off_policy != "none",
+            checkpoint_every=cfg.run.checkpoint_every,
+            checkpoint_on_stop=cfg.run.checkpoint_on_stop,
+            max_staleness=cfg.buffer.max_staleness,
+            stale_policy=cfg.buffer.stale_policy,
+            max_trainer_restarts=cfg.trainer.max_restarts,
+            max_unavailable_s=cfg.relay.max_unavailable_s,
+        ),
         metrics=MetricsWriter(run_dir / "metrics.jsonl" if run_dir else None),
         events=events,
-        needs_logprobs=cfg.algorithm.off_policy != "none",
         run_dir=run_dir,
-        checkpoint_every=cfg.run.checkpoint_every,
     )
-    return Run(
+    run = Run(
         spec.resolved,
         spec.schedule,
         place,
@@ -159,3 +169,19 @@ def assemble(spec: RunSpec, started: Started, runtime: Runtime) -> Run:
         run_dir,
         started.data_report,
     )
+    if runtime.recovers:  # the runtime re-initialises what fails; the loop asks it to
+
+        async def restart_replica(index: int):
+            return await runtime.restart_replica(run, index)
+
+        async def restart_trainer():
+            return await runtime.restart_trainer(run)
+
+        async def restart_relay(relay_id: int) -> None:
+            await runtime.restart_relay(run, relay_id)
+
+        manager.restart_fn = restart_replica
+        controller.restart_trainer = restart_trainer
+        if started.tier.relays and not isinstance(started.tier.relays[0], NodeRelay):
+            manager.restart_relay_fn = restart_relay  # relays hosted apart from the driver
+    return run
