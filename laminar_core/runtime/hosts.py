@@ -41,6 +41,10 @@ class RolloutHost:
     async def call(self, method: str, *args: Any) -> Any:
         return await getattr(self.engine, method)(*args)
 
+
+    def pid(self) -> int:
+        """This actor's process id (for operators, and the chaos tests' ``kill -9``)."""
+        return os.getpid()
     def shm_files(self) -> list[str]:
         """Shared-memory files (``/dev/shm``) this actor's engine processes have mapped: what
         a replica killed without a goodbye leaves behind (vLLM's message queues)."""
@@ -67,6 +71,10 @@ class TrainerHost:
         self.cfg = resolved.cfg
         self.options = resolved.engine_options.get("trainer")
 
+
+    def pid(self) -> int:
+        """This actor's process id (for operators, and the chaos tests' ``kill -9``)."""
+        return os.getpid()
     def ping(self) -> bool:
         return True
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from typing import Any
 
 from laminar_core.interfaces import BuildContext, build
@@ -79,6 +80,10 @@ class RelayActor:
         import ray
 
         return ray.get_runtime_context().get_node_id()
+
+    def pid(self) -> int:
+        """This actor's process id (for operators, and the chaos tests' ``kill -9``)."""
+        return os.getpid()
 
 
 class RayRelay(RemoteRelay):
