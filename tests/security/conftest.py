@@ -26,7 +26,10 @@ laminar_sandbox = pytest.importorskip("laminar_sandbox")
 from laminar_sandbox import PythonSandboxEnv, SandboxOptions  # noqa: E402
 from laminar_sandbox.isolation import processes_of  # noqa: E402
 
-TIMEOUT_S = 3.0
+#: The wall clock of runs that test it (the fork bomb, the infinite loop); other runs get a
+#: generous one, so a loaded machine does not turn their outcome into a timeout.
+TIMEOUT_S = 2.0
+GENEROUS_S = 30.0
 OPTIONS = dict(
     workers=2,
     memory_mb=512,
@@ -59,7 +62,7 @@ class Sandbox:
         self.loop = asyncio.new_event_loop()
         ctx = EnvContext(
             max_turns=100,
-            timeout_s=TIMEOUT_S,
+            timeout_s=GENEROUS_S,
             parser=make_parser("code"),
             options=SandboxOptions(isolation=isolation, **OPTIONS),
         )
@@ -72,14 +75,16 @@ class Sandbox:
     def run(self, aw: Any) -> Any:
         return self.loop.run_until_complete(aw)
 
-    def step(self, code: str) -> StepResult:
+    def step(self, code: str, timeout_s: float = GENEROUS_S) -> StepResult:
         """One model turn with ``code`` in a ``<code>`` block, in a fresh episode."""
 
         async def go() -> StepResult:
             ep = await self.env.reset({"prompt": "hostile"})
+            self.env.ctx.timeout_s = timeout_s
             try:
                 return await ep.step(f"Let me run this.\n<code>\n{code}\n</code>")
             finally:
+                self.env.ctx.timeout_s = GENEROUS_S
                 await ep.close()
 
         return self.run(go())

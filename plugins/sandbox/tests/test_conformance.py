@@ -65,7 +65,7 @@ def test_python_sandbox_passes_the_environment_contract(require_local: None) -> 
             slow_turn="<code>import time; time.sleep(60)</code>",
             bad_turn="<code>   </code>",
             max_turns=2,
-            timeout_s=2.0,
+            timeout_s=5.0,  # the slow turn's sleep(60) times out; others finish well within
             concurrency=3,
             leftovers=leftovers,
         )

@@ -177,6 +177,6 @@ def test_python_sandbox_on_sandbox_fusion_passes_the_contract(
             answer_turn="42",
             slow_turn=call % "import time; time.sleep(30)",
             bad_turn="<tool_call>{not json}</tool_call>",
-            timeout_s=1.0,
+            timeout_s=3.0,
         )
     )
