@@ -26,11 +26,11 @@ def local() -> None:
 
 
 class Driver:
-    def __init__(self, parser_name: str = "code", **options: Any) -> None:
+    def __init__(self, parser_name: str = "code", timeout_s: float = 10.0, **options: Any) -> None:
         self.loop = asyncio.new_event_loop()
         ctx = EnvContext(
             max_turns=4,
-            timeout_s=5.0,
+            timeout_s=timeout_s,
             parser=parser(parser_name),
             options=SandboxOptions(workers=1, memory_mb=512, **options),
         )
@@ -125,6 +125,23 @@ def test_preloaded_modules_are_warm(local: None) -> None:
     try:
         (r,) = d.turns("<code>import sys; print('fractions' in sys.modules)</code>")
         assert "True" in r.observation
+    finally:
+        d.close()
+
+
+def test_cpu_limit_and_the_scientific_stack(local: None) -> None:
+    """ReTool's code leans on numpy and sympy: they work under the limits; and a busy loop
+    stops at its CPU budget (SIGXCPU), well before a generous wall clock."""
+    d = Driver(timeout_s=120.0, cpu_s=1, preload=["numpy"])
+    try:
+        ok, spin = d.turns(
+            "<code>import numpy as np, sympy\n"
+            "print(np.arange(10).sum(), sympy.factorint(360))</code>",
+            "<code>while True:\n    pass</code>",
+        )
+        assert "45 {2: 3, 3: 2, 5: 1}" in ok.observation and "error" not in ok.info
+        assert spin.info["error"] == "cpu_time", spin
+        assert "[CPU time limit exceeded (1 s)]" in spin.observation
     finally:
         d.close()
 
