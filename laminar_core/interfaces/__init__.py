@@ -14,8 +14,20 @@ from laminar_core.interfaces.environment import (
 )
 from laminar_core.interfaces.repack import RepackPolicy
 from laminar_core.interfaces.rollout import ReplicaFailure, RolloutEngine
-from laminar_core.interfaces.trainer import TrainerContext, TrainerEngine
+from laminar_core.interfaces.trainer import (
+    TrainerContext,
+    TrainerEngine,
+    TrainerFailure,
+    iterate_in_thread,
+)
 from laminar_core.interfaces.transport import Alloc, TransportError, WeightTransport
+from laminar_core.interfaces.weights import (
+    ModelOnly,
+    SharedVersionGone,
+    SharedWeights,
+    TensorWeights,
+    WeightsRef,
+)
 
 __all__ = [
     "Alloc",
@@ -25,15 +37,22 @@ __all__ = [
     "EnvUnavailable",
     "Environment",
     "Episode",
+    "ModelOnly",
     "RepackPolicy",
     "ReplicaFailure",
     "RolloutEngine",
+    "SharedVersionGone",
+    "SharedWeights",
     "StepResult",
+    "TensorWeights",
     "ToolCall",
     "ToolCallParser",
     "TrainerContext",
     "TrainerEngine",
+    "TrainerFailure",
     "TransportError",
     "WeightTransport",
+    "WeightsRef",
     "build",
+    "iterate_in_thread",
 ]
