@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from laminar_core.config.loader import ConfigError, _check_keys, _structured
+from laminar_core.config.loader import ConfigError, check_keys, structured
 from laminar_core.interfaces.environment import EnvContext, Environment, ToolCallParser
 from laminar_core.plugins import PluginManager, UnknownPluginError, default_manager
 
@@ -66,8 +66,8 @@ def environment_options(
         if raw:
             raise ConfigError(f"config key 'env.options': environment {name!r} takes no options")
         return None
-    _check_keys(raw or {}, options_cls, "env.options", {})
-    return _structured(options_cls, raw or {}, "env.options")
+    check_keys(raw or {}, options_cls, "env.options", {})
+    return structured(options_cls, raw or {}, "env.options")
 
 
 def make_environment(cfg: EnvConfig, pm: PluginManager | None = None) -> Environment:
