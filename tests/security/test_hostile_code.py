@@ -152,6 +152,31 @@ except OSError as e:
     sandbox.assert_recovered()
 
 
+def test_kernel_doors_are_shut(sandbox: Sandbox) -> None:
+    """No user namespace (the way to capabilities, and to much of the kernel's attack
+    surface), no io_uring or bpf; threads and processes still work."""
+    code = """
+import ctypes, os, threading
+libc = ctypes.CDLL(None, use_errno=True)
+for name, call in [
+    ("userns", lambda: libc.unshare(0x10000000)),
+    ("mountns", lambda: libc.unshare(0x00020000)),
+    ("io_uring", lambda: libc.syscall(425, 8, ctypes.create_string_buffer(120))),
+    ("bpf", lambda: libc.syscall(321 if os.uname().machine == "x86_64" else 280, 0, 0, 0)),
+]:
+    ret = call()
+    print(name, "ALLOWED" if ret >= 0 else os.strerror(ctypes.get_errno()))
+t = threading.Thread(target=print, args=("thread ok",))
+t.start()
+t.join()
+"""
+    r = sandbox.step(code)
+    assert "ALLOWED" not in r.observation, r.observation
+    assert "userns Operation not permitted" in r.observation
+    assert "thread ok" in r.observation
+    sandbox.assert_recovered()
+
+
 def test_fork_bomb_is_contained(sandbox: Sandbox) -> None:
     code = """
 import os

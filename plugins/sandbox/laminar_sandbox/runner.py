@@ -12,7 +12,8 @@ never runs model code itself:
    status pipe, then waits for the code on stdin (until EOF).
 3. forks the child that runs the code: ``/dev/null`` as stdin, every other inherited file
    closed, the sandbox's own uid/gid (no root, no capabilities, ``no_new_privs``), rlimits
-   on address space, CPU time, processes, file size, open files and core dumps, cwd ``/tmp``.
+   on address space, CPU time, processes, file size, open files and core dumps, a seccomp
+   filter (``seccomp_filter``), cwd ``/tmp``.
 4. when the child exits: kills whatever it left running (every process in the sandbox's pid
    namespace), reaps, and writes ``exit`` with the status on the status pipe.
 
@@ -31,6 +32,7 @@ import platform
 import resource
 import signal
 import socket
+import struct
 import sys
 import time
 import traceback
@@ -45,6 +47,22 @@ PR_SET_NO_NEW_PRIVS = 38
 SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "ppc64le": 203, "s390x": 217}
 
 _libc = ctypes.CDLL(None, use_errno=True)
+
+# seccomp: the syscalls the code may not make (numbers per architecture)
+PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
+CLONE_NEWUSER = 0x10000000
+SECCOMP_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
+SECCOMP_NR = {
+    "x86_64": {
+        "unshare": 272, "clone": 56, "clone3": 435,
+        "denied": (248, 249, 250, 321, 298, 323, 425, 426, 427),
+    },
+    "aarch64": {
+        "unshare": 97, "clone": 220, "clone3": 435,
+        "denied": (217, 218, 219, 280, 241, 282, 425, 426, 427),
+    },
+}  # fmt: skip
+# denied: add_key, request_key, keyctl, bpf, perf_event_open, userfaultfd, io_uring_*
 
 
 def _check(ret: int, what: str) -> None:
@@ -121,6 +139,73 @@ def build_root(root: str, layout: list[list]) -> None:
     _mount(None, "/", None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
 
 
+def seccomp_filter(machine: str) -> bytes | None:
+    """A classic-BPF seccomp program (``None`` on an architecture not listed): user
+    namespaces cannot be created (``unshare``/``clone`` with ``CLONE_NEWUSER`` fail with
+    EPERM; ``clone3``, whose flags a filter cannot read, fails with ENOSYS so libc falls
+    back to ``clone``), the kernel keyring, ``bpf``, ``perf_event_open``, ``userfaultfd``
+    and ``io_uring`` are refused (EPERM), another ABI's syscalls kill the process. All else
+    is allowed: the point is to close the kernel's most exploited doors, not to list what
+    Python needs."""
+    nrs = SECCOMP_NR.get(machine)
+    if nrs is None:
+        return None
+    allow, kill = 0x7FFF0000, 0x80000000
+    eperm, enosys = 0x00050000 | 1, 0x00050000 | 38
+    ld, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06
+    prog: list = [
+        (ld, 4, None, None),  # seccomp_data.arch
+        (jeq, SECCOMP_ARCH[machine], None, "kill"),
+        (ld, 0, None, None),  # seccomp_data.nr
+        (jge, 0x40000000, "eperm", None),  # x32 syscall numbers
+        (jeq, nrs["unshare"], "flags", None),
+        (jeq, nrs["clone"], "flags", None),
+        (jeq, nrs["clone3"], "enosys", None),
+        *[(jeq, nr, "eperm", None) for nr in nrs["denied"]],
+        (ret, allow, None, None),
+        "flags",
+        (ld, 16, None, None),  # low word of args[0] (little-endian): the clone flags
+        (jset, CLONE_NEWUSER, "eperm", None),
+        (ret, allow, None, None),
+        "eperm",
+        (ret, eperm, None, None),
+        "enosys",
+        (ret, enosys, None, None),
+        "kill",
+        (ret, kill, None, None),
+    ]
+    labels, insns = {}, []
+    for item in prog:
+        if isinstance(item, str):
+            labels[item] = len(insns)
+        else:
+            insns.append(item)
+
+    def off(target: str | None, i: int) -> int:
+        return 0 if target is None else labels[target] - i - 1
+
+    out = b""
+    for i, (code, k, jt, jf) in enumerate(insns):
+        out += struct.pack("=HBBI", code, off(jt, i), off(jf, i), k)
+    return out
+
+
+def _install_seccomp() -> None:
+    program = seccomp_filter(platform.machine())
+    if program is None:
+        return
+    buf = ctypes.create_string_buffer(program)
+
+    class SockFprog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+    fprog = SockFprog(len(program) // 8, ctypes.addressof(buf))
+    _check(
+        _libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(fprog), 0, 0),
+        "prctl(SECCOMP)",
+    )
+
+
 def _status(fd: int, **fields: object) -> None:
     os.write(fd, (json.dumps(fields) + "\n").encode())
 
@@ -146,6 +231,7 @@ def _child(code: bytes, cfg: dict) -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (lim["open_files"], lim["open_files"]))
         os.chdir(cfg["workdir"])
         os.umask(0o022)
+        _install_seccomp()
         # locked down: say so (an exit with EXIT_SETUP after this is the code's own), then
         # close every inherited file, the status pipe included
         _status(cfg["status_fd"], event="started")
