@@ -17,7 +17,7 @@ import torch
 from laminar_core.interfaces import BuildContext, TensorWeights, TrainerContext, build
 from laminar_core.plugins import default_manager
 from laminar_core.plugins.resolve import resolve
-from laminar_core.runtime.ray_calls import limit_threads
+from laminar_core.runtime.ray_calls import limit_threads, log_to
 
 
 def _engine(config_yaml: str, kind: str, index: int, name: str, gpus: int) -> Any:
@@ -34,7 +34,10 @@ def _engine(config_yaml: str, kind: str, index: int, name: str, gpus: int) -> An
 class RolloutHost:
     """A rollout replica's actor: ``call(method, *args)`` forwards to the engine."""
 
-    def __init__(self, config_yaml: str, index: int, name: str, gpus: int) -> None:
+    def __init__(
+        self, config_yaml: str, index: int, name: str, gpus: int, log_path: str | None = None
+    ) -> None:
+        log_to(log_path)
         limit_threads()
         self.engine, _ = _engine(config_yaml, "rollout", index, name, gpus)
 
@@ -64,7 +67,10 @@ class TrainerHost:
     """One trainer rank's actor. ``export`` runs the (collective) export on every rank and
     returns the tensors from rank 0 only."""
 
-    def __init__(self, config_yaml: str, rank: int, world: int, gpus: int) -> None:
+    def __init__(
+        self, config_yaml: str, rank: int, world: int, gpus: int, log_path: str | None = None
+    ) -> None:
+        log_to(log_path)
         limit_threads()
         self.rank, self.world = rank, world
         self.engine, resolved = _engine(config_yaml, "trainer", rank, "trainer", gpus)

@@ -76,10 +76,18 @@ def init_ray(resolved: ResolvedConfig, needed_cpus: float) -> bool:
         return False
     rt = resolved.cfg.runtime
     env = {k: os.environ.get(k, v) for k, v in WORKER_ENV.items()}
-    kwargs: dict[str, Any] = {"runtime_env": {"env_vars": env}, "logging_level": logging.WARNING}
+    kwargs: dict[str, Any] = {
+        "runtime_env": {"env_vars": env},
+        "logging_level": logging.WARNING,
+        # engine output goes to RUN_DIR/logs/ (the actors write there), not the terminal
+        "log_to_driver": resolved.cfg.telemetry.engine_logs == "terminal",
+    }
     if rt.address:
         ray.init(address=rt.address, **kwargs)
         return False
+    # A cluster of our own: token authentication on (Ray's default for a new local
+    # cluster), set explicitly so Ray does not print a notice about choosing it.
+    os.environ.setdefault("RAY_AUTH_MODE", "token")
     cpus = rt.num_cpus or max(int(needed_cpus + 0.999), os.cpu_count() or 1)
     ray.init(num_cpus=cpus, include_dashboard=False, **kwargs)
     return True
@@ -166,6 +174,13 @@ class RayRuntime:
                 "Lower cluster.gpus / runtime.cpus_per_* or add nodes."
             ) from e
 
+    def _log(self, name: str) -> str | None:
+        """Where actor ``name`` writes its output (``telemetry.engine_logs``)."""
+        run_dir = self.spec.run_dir
+        if run_dir is None or self.spec.resolved.cfg.telemetry.engine_logs != "run_dir":
+            return None
+        return str(Path(run_dir).resolve() / "logs" / f"{name}.log")
+
     def _at(self, bundle: int) -> PlacementGroupSchedulingStrategy:
         return PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle)
 
@@ -188,7 +203,13 @@ class RayRuntime:
                 scheduling_strategy=where,
                 max_concurrency=1 << 16,  # one generate call per in-flight trajectory
             )
-            .remote(self.config_yaml, index, f"r{index}", cfg.cluster.gpus_per_replica)
+            .remote(
+                self.config_yaml,
+                index,
+                f"r{index}",
+                cfg.cluster.gpus_per_replica,
+                self._log(f"replica-r{index}"),
+            )
         )
         self.actors.append(actor)
         return actor
@@ -203,7 +224,7 @@ class RayRuntime:
                 num_gpus=1 if self.gpu else 0,
                 scheduling_strategy=self._at(rank),
             )
-            .remote(self.config_yaml, rank, world, int(self.gpu))
+            .remote(self.config_yaml, rank, world, int(self.gpu), self._log(f"trainer-rank{rank}"))
             for rank in range(world)
         ]
         self.actors += actors
@@ -277,7 +298,15 @@ class RayRuntime:
         name = f"{cfg.run.name}-{os.getpid()}-{next(_runs)}-{uuid.uuid4().hex[:6]}"
         self.shm_root = str(Path(cfg.relay.shm_dir) / name)
         for i, node_id in enumerate(node_ids):  # relay i is chain rank i + 1
-            relay = spawn_relay(self.config_yaml, i, i, i + 1, self.shm_root, node_id)
+            relay = spawn_relay(
+                self.config_yaml,
+                i,
+                i,
+                i + 1,
+                self.shm_root,
+                node_id,
+                log_path=self._log(f"relay{i}"),
+            )
             self.actors.append(relay.handle)
             self.relays.append(relay)
             self.relay_nodes.append(node_id)
@@ -351,7 +380,15 @@ class RayRuntime:
         relay = None
         if self.shm_root is not None:  # relays on the nodes: this node gets its own
             rid = len(self.relays)
-            relay = spawn_relay(self.config_yaml, rid, rid, rid + 1, self.shm_root, node_id)
+            relay = spawn_relay(
+                self.config_yaml,
+                rid,
+                rid,
+                rid + 1,
+                self.shm_root,
+                node_id,
+                log_path=self._log(f"relay{rid}"),
+            )
             self.actors.append(relay.handle)
             self.relays.append(relay)
             self.relay_nodes.append(node_id)
@@ -430,6 +467,7 @@ class RayRuntime:
             relay_id + 1,
             self.shm_root,
             self.relay_nodes[relay_id],
+            log_path=self._log(f"relay{relay_id}"),
         )
         self.actors.append(handle)
         try:
