@@ -33,7 +33,9 @@ restores ``step`` from the param groups as *one* tensor shared by every paramete
 (AdamW then adds 1 to it once per parameter per update, so the bias correction goes wrong),
 then copies every state key of each parameter from the checkpoint's tensors, which skip
 ``step``: ``KeyError: 'step'`` on every load. The fix copies the other keys, leaves the
-restored ``step`` alone and gives each parameter its own copy of it.
+restored ``step`` alone and gives each parameter its own copy of it. And before the first
+update AdamW has no state at all, which megatron's ``state_dict`` asserts on (it reads the
+step from it): a load into a fresh engine first gives every parameter a zero state.
 """
 
 from __future__ import annotations
@@ -103,9 +105,24 @@ def fix_torch_optimizer_resume() -> bool:
                 state["step"] = state["step"].clone()  # one counter per parameter
         return out
 
+    original_sharded = DistributedOptimizer.sharded_state_dict
+
+    def sharded_state_dict(self, model_sharded_state_dict=None, is_loading=False, **kwargs):
+        if is_loading:
+            for group in self.optimizer.param_groups:
+                for p in group["params"]:
+                    if not self.optimizer.state[p]:  # no update yet: AdamW's zero state
+                        self.optimizer.state[p].update(
+                            step=torch.zeros((), dtype=torch.float32),
+                            exp_avg=torch.zeros_like(p),
+                            exp_avg_sq=torch.zeros_like(p),
+                        )
+        return original_sharded(self, model_sharded_state_dict or {}, is_loading, **kwargs)
+
     set_states._laminar_fix = True  # type: ignore[attr-defined]
     DistributedOptimizer._set_main_param_and_optimizer_states = set_states
     DistributedOptimizer.load_state_dict = load_state_dict
+    DistributedOptimizer.sharded_state_dict = sharded_state_dict
     return True
 
 
