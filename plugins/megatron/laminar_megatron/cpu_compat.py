@@ -41,6 +41,7 @@ step from it): a load into a fresh engine first gives every parameter a zero sta
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -62,6 +63,12 @@ def apply() -> bool:
         return _applied
     import megatron.core.tensor_parallel.random as mrandom
 
+    # GPU-only advice, and the fp32 optimizer reading ``.grad`` of its shard views (what
+    # megatron does with float32 params): noise on CPU.
+    warnings.filterwarnings("ignore", message="When using async grad allreduce", module="megatron")
+    warnings.filterwarnings(
+        "ignore", message="The .grad attribute of a Tensor that is not a leaf", module=__name__
+    )
     torch.cuda.current_device = _cpu_device  # type: ignore[assignment]
     torch.cuda.synchronize = _no_sync  # type: ignore[assignment]
     mrandom._get_cuda_rng_state = _get_cpu_rng_state

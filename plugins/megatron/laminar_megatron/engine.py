@@ -76,13 +76,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _import_megatron() -> None:
-    # megatron-core warns at import that it falls back from Apex / Transformer Engine to
-    # torch implementations: expected on CPU, and said once in the README instead.
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
-        import megatron.core.distributed
-        import megatron.core.optimizer  # noqa: F401
+# megatron-core announces its fallbacks from Apex / Transformer Engine to torch at import and
+# at model build (expected without them, said once in the README), and warns about a
+# deprecated value that is its own default.
+for _message in (
+    "Transformer Engine and Apex are not installed",
+    "Apex is not installed",
+    "full scope is deprecated",
+):
+    warnings.filterwarnings("ignore", message=_message, module=r"megatron\.")
 
 
 class MegatronTrainerEngine(TrainerEngine):
@@ -122,7 +124,6 @@ class MegatronTrainerEngine(TrainerEngine):
         await self._call(self._setup, ctx, path)
 
     def _setup(self, ctx: TrainerContext, path: Path) -> None:
-        _import_megatron()
         cpu_compat.fix_torch_optimizer_resume()
         from megatron.core import parallel_state as ps
         from megatron.core import tensor_parallel
@@ -513,10 +514,10 @@ class MegatronTrainerEngine(TrainerEngine):
                 lr = self.optim.param_groups[0]["lr"]
                 self._update(trajs, chunk, advantages, sums, diff if c == 0 else None)
         # The reporting ranks hold the figures (one per DP replica): combine them everywhere.
-        parts: list[Any] = [None] * self.world
-        dist.all_gather_object(parts, (sums, diff)) if self.world > 1 else None
-        if self.world == 1:
-            parts = [(sums, diff)]
+        parts: list[Any] = [(sums, diff)]
+        if self.world > 1:
+            parts = [None] * self.world
+            dist.all_gather_object(parts, (sums, diff))
         total: dict[str, float] = {}
         dmax = dsum = dtok = 0.0
         for s, d in parts:

@@ -1,11 +1,11 @@
 """The megatron-core trainer engine on CPU (gloo ranks as spawned processes, 1 thread each).
 
-- core's trainer contract (``check_trainer_engine``) at TP=2 and at PP=2: log-probs equal
-  transformers' on the same weights, export round-trips into ``AutoModelForCausalLM``,
-  checkpoints restore the log-probs, optimizer and scheduler;
-- TP=1, TP=2, PP=2 and laminar-fsdp agree on the same batch (log-probs before and after a
-  step, loss, grad norm);
-- a TP=2 checkpoint loads at TP=1 with the same log-probs;
+- core's trainer contract (``check_trainer_engine``) at TP=2 x DP=2 (4 ranks) and at PP=2:
+  log-probs equal transformers' on the same weights, export round-trips into
+  ``AutoModelForCausalLM``, checkpoints restore the log-probs, optimizer and scheduler;
+- TP=1, TP=2 x DP=2, PP=2 and laminar-fsdp agree on the same batch (log-probs before and
+  after a step, loss, grad norm);
+- a TP=2 x DP=2 checkpoint loads at TP=1 (one rank) with the same log-probs;
 - the vocabulary-parallel log-probs equal the gathered full-vocabulary ones (and their
   gradients), without the full vocabulary on any rank;
 - activation recompute really drops saved activations (full and selective);
@@ -45,13 +45,14 @@ def tiny(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def tp2(tiny, tmp_path_factory) -> tuple[dict, str]:
+    """TP=2 x DP=2: four ranks, the distributed optimizer sharded over two DP ranks."""
     work = tmp_path_factory.mktemp("tp2")
     report = asyncio.run(
         check_trainer_engine(
-            "megatron", tiny, work, world_size=2, overrides=[*BASE, "trainer.megatron.tp=2"]
+            "megatron", tiny, work, world_size=4, overrides=[*BASE, "trainer.megatron.tp=2"]
         )
     )
-    return report, str(work / "checkpoint")  # saved after one step, at TP=2
+    return report, str(work / "checkpoint")  # saved after one step, at TP=2 x DP=2
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +68,7 @@ def pp2(tiny, tmp_path_factory) -> dict:
     )
 
 
-def test_contract_tp2(tp2):
+def test_contract_tp2_dp2(tp2):
     report, _ = tp2
     assert report["logprobs_hf_max_diff"] < TOL
     assert report["export_initial_max_diff"] == 0.0
@@ -82,7 +83,7 @@ def _lp_diff(a: list[list[float]], b: list[list[float]]) -> float:
     return max((abs(x - y) for p, q in zip(a, b, strict=True) for x, y in zip(p, q, strict=True)))
 
 
-def test_tp1_tp2_pp2_and_fsdp_agree(tiny, tp2, pp2, single, tmp_path):
+def test_tp1_tp2dp2_pp2_and_fsdp_agree(tiny, tp2, pp2, single, tmp_path):
     tp1 = single["tp1"]
     fsdp = asyncio.run(
         check_trainer_engine(
@@ -92,7 +93,7 @@ def test_tp1_tp2_pp2_and_fsdp_agree(tiny, tp2, pp2, single, tmp_path):
             overrides=["trainer.fsdp.lr=1e-3", "trainer.fsdp.micro_batch_tokens=40"],
         )
     )
-    figures = {"tp2": tp2[0], "pp2": pp2, "fsdp": fsdp}
+    figures = {"tp2dp2": tp2[0], "pp2": pp2, "fsdp": fsdp}
     for name, other in figures.items():
         assert _lp_diff(tp1["logprobs"], other["logprobs"]) < TOL, name
         assert _lp_diff(tp1["logprobs_after_step"], other["logprobs_after_step"]) < TOL, name
@@ -101,7 +102,7 @@ def test_tp1_tp2_pp2_and_fsdp_agree(tiny, tp2, pp2, single, tmp_path):
     for name, r in {"tp1": tp1, **figures}.items():  # the figures, for the record (-s)
         m = r["metrics"]
         print(
-            f"{name:5} loss {m['loss']:.9f} grad_norm {m['grad_norm']:.9f} "
+            f"{name:6} loss {m['loss']:.9f} grad_norm {m['grad_norm']:.9f} "
             f"|lp - tp1| {_lp_diff(tp1['logprobs'], r['logprobs']):.2e} "
             f"after step {_lp_diff(tp1['logprobs_after_step'], r['logprobs_after_step']):.2e}"
         )
@@ -279,7 +280,7 @@ def single(tiny, tp2, tmp_path_factory) -> dict:
     return out["result"]
 
 
-def test_tp2_checkpoint_loads_at_tp1(tp2, single):
+def test_tp2_dp2_checkpoint_loads_at_tp1(tp2, single):
     report, _ = tp2
     # the checkpoint was saved right after the contract's first step
     assert _lp_diff(single["resharded"], report["logprobs_after_step"]) < TOL
