@@ -123,6 +123,7 @@ async def check_trainer_engine(
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1 (got {world_size})")
+    Path(workdir).mkdir(parents=True, exist_ok=True)
     spec = _Spec(engine, str(model_dir), str(workdir), tuple(overrides), tolerance)
     init = f"tcp://127.0.0.1:{_free_port()}"
     if not (world_size > 1 if spawn is None else spawn):
