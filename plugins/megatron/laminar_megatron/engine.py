@@ -116,6 +116,7 @@ class MegatronTrainerEngine(TrainerEngine):
     async def setup(self, ctx: TrainerContext) -> None:
         self.rank, self.world, self.algo = ctx.rank, ctx.world_size, ctx.algorithm
         self.tp, self.pp, self.dp = self.opt.layout(self.world)
+        self.sequence_parallel = self.opt.sequence_parallel and self.tp > 1
         path = model_dir(self.cfg.model.path, f"trainer rank {self.rank}")
         self.arch = read_arch(path)
         check_layout(self.arch, self.tp, self.pp)
@@ -163,6 +164,11 @@ class MegatronTrainerEngine(TrainerEngine):
             dtype_name = self.cfg.model.dtype if cuda else "float32"
         self.param_dtype = _DTYPES.get(dtype_name, torch.float32)
         self.te = self._use_transformer_engine(cuda)
+        if self.sequence_parallel and not (self.te or _have_apex()):
+            raise ValueError(
+                "trainer.megatron.sequence_parallel needs Transformer Engine (or Apex) layer "
+                "norms: megatron's torch norm does not support it; set it to false"
+            )
         self.padded_vocab = padded_vocab(
             self.arch.vocab_size, self.opt.make_vocab_size_divisible_by, self.tp
         )
@@ -244,6 +250,7 @@ class MegatronTrainerEngine(TrainerEngine):
             fp16=self.param_dtype == torch.float16,
             tensor_model_parallel_size=self.tp,
             pipeline_model_parallel_size=self.pp,
+            sequence_parallel=self.sequence_parallel,
             # Micro-batches differ in shape; the pipeline exchanges shapes first. (megatron
             # refuses variable lengths with the default MoE dispatcher even without MoE.)
             variable_seq_lengths=True,
@@ -389,6 +396,11 @@ class MegatronTrainerEngine(TrainerEngine):
     # -- forward -----------------------------------------------------------------------------
     def _inputs(self, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         ids = mb.input_ids.to(self.device)
+        if self.sequence_parallel and ids.shape[1] % self.tp:
+            # the sequence is split over TP ranks: pad it (on the right, after every real
+            # token, so the causal mask keeps it out of their log-probs)
+            extra = self.tp - ids.shape[1] % self.tp
+            ids = torch.nn.functional.pad(ids, (0, extra), value=self.pad_id)
         b, s = ids.shape
         pos = torch.arange(s, device=self.device).unsqueeze(0).expand(b, -1)
         # Right padding: the causal mask alone keeps real tokens off the padding after them.
@@ -400,7 +412,7 @@ class MegatronTrainerEngine(TrainerEngine):
 
     def _token_logprobs(self, output: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
         """``[B, L-1]`` log-probs of each next token from this rank's vocabulary slice."""
-        logits = output[:, :-1].float() / self.temperature
+        logits = output[:, : mb.input_ids.shape[1] - 1].float() / self.temperature
         labels = mb.labels.to(self.device)
         group = self.tp_group if self.tp > 1 else None
         return vocab_parallel_logprobs(logits, labels, self.arch.vocab_size, group)
@@ -699,6 +711,14 @@ class MegatronTrainerEngine(TrainerEngine):
             ps.destroy_model_parallel()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _have_apex() -> bool:
+    try:
+        import apex  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _split(n: int, parts: int) -> list[list[int]]:

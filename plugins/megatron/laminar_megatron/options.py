@@ -30,6 +30,11 @@ class MegatronOptions:
     Batching: ``micro_batch_tokens`` bounds a micro-batch's padded tokens (rows x longest);
     gradients accumulate over micro-batches (and pipeline micro-batches are these).
 
+    ``sequence_parallel`` (with ``tp > 1``): megatron's sequence parallelism, the norms' and
+    dropouts' activations split over the TP group along the sequence (micro-batches are
+    padded to a multiple of ``tp`` tokens). It needs Transformer Engine (or Apex) norms, so
+    GPU only.
+
     ``recompute``: megatron's activation recompute, ``full`` (every layer's input is kept,
     the layer re-run in backward; ``recompute_num_layers`` layers per checkpointed chunk) or
     ``selective`` (the core attention only). ``param_dtype``: ``auto`` trains in float32 on CPU
@@ -54,6 +59,7 @@ class MegatronOptions:
     grad_clip: float = 1.0
     micro_batch_tokens: int = 8192
     distributed_optimizer: bool = True
+    sequence_parallel: bool = False
     recompute: str = "none"
     recompute_num_layers: int = 1
     param_dtype: str = "auto"
