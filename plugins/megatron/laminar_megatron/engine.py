@@ -129,7 +129,13 @@ class MegatronTrainerEngine(TrainerEngine):
         from megatron.core import parallel_state as ps
         from megatron.core import tensor_parallel
 
-        cuda = torch.cuda.is_available() and self.opt.backend != "gloo"
+        cuda = torch.cuda.is_available()
+        if self.opt.backend != "auto" and self.opt.backend != ("nccl" if cuda else "gloo"):
+            raise ValueError(
+                f"trainer.megatron.backend={self.opt.backend}: megatron-core keeps its buffers "
+                f"on the GPU when CUDA is present (NCCL) and on CPU without it (gloo); this "
+                f"machine {'has' if cuda else 'has no'} CUDA: use backend=auto"
+            )
         if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else None
@@ -174,7 +180,6 @@ class MegatronTrainerEngine(TrainerEngine):
         )
         self.tcfg = self._transformer_config(cuda)
         gpt = self._build_model()
-        self.gpt = gpt
         self._load_hf(gpt, HFCheckpoint(path))
         self._wrap_and_optimise(gpt)
 

@@ -14,35 +14,36 @@ TRANSFORMER_IMPLS = ("auto", "local", "transformer_engine")
 class MegatronOptions:
     """Parallel layout, optimiser, schedule and batching of one megatron-core trainer group.
 
-    Layout: ``tp`` (tensor), ``pp`` (pipeline) and ``dp`` (data) parallel sizes; the trainer's
-    world size must equal ``tp * pp * dp``. ``dp: 0`` takes what is left
-    (``world / (tp * pp)``). Ranks are ordered tp fastest, then dp, then pp (megatron's
-    ``tp-cp-ep-dp-pp``).
+        Layout: ``tp`` (tensor), ``pp`` (pipeline) and ``dp`` (data) parallel sizes; the trainer's
+        world size must equal ``tp * pp * dp``. ``dp: 0`` takes what is left
+        (``world / (tp * pp)``). Ranks are ordered tp fastest, then dp, then pp (megatron's
+        ``tp-cp-ep-dp-pp``).
 
-    Optimiser: megatron's Adam (decoupled weight decay; no decay on biases and norms) behind
-    its ``DistributedOptimizer`` (optimiser state and fp32 master weights sharded over dp)
-    when ``distributed_optimizer``; gradients clipped to ``grad_clip`` (global norm). The
-    learning rate follows megatron's ``OptimizerParamScheduler``: linear warm-up from 0 over
-    ``warmup_steps`` updates, then ``lr_schedule`` down to ``lr * min_lr_ratio`` at the last of
-    ``run.steps * trainer.mini_batches`` updates; update ``k`` (from 0) uses the schedule at
-    step ``k + 1``, so warm-up never spends an update at lr 0.
+        Optimiser: megatron's Adam (decoupled weight decay; no decay on biases and norms) behind
+        its ``DistributedOptimizer`` (optimiser state and fp32 master weights sharded over dp)
+        when ``distributed_optimizer``; gradients clipped to ``grad_clip`` (global norm). The
+        learning rate follows megatron's ``OptimizerParamScheduler``: linear warm-up from 0 over
+        ``warmup_steps`` updates, then ``lr_schedule`` down to ``lr * min_lr_ratio`` at the last of
+        ``run.steps * trainer.mini_batches`` updates; update ``k`` (from 0) uses the schedule at
+        step ``k + 1``, so warm-up never spends an update at lr 0.
 
-    Batching: ``micro_batch_tokens`` bounds a micro-batch's padded tokens (rows x longest);
-    gradients accumulate over micro-batches (and pipeline micro-batches are these).
+        Batching: ``micro_batch_tokens`` bounds a micro-batch's padded tokens (rows x longest);
+        gradients accumulate over micro-batches (and pipeline micro-batches are these).
 
-    ``sequence_parallel`` (with ``tp > 1``): megatron's sequence parallelism, the norms' and
-    dropouts' activations split over the TP group along the sequence (micro-batches are
-    padded to a multiple of ``tp`` tokens). It needs Transformer Engine (or Apex) norms, so
-    GPU only.
+        ``sequence_parallel`` (with ``tp > 1``): megatron's sequence parallelism, the norms' and
+        dropouts' activations split over the TP group along the sequence (micro-batches are
+        padded to a multiple of ``tp`` tokens). It needs Transformer Engine (or Apex) norms, so
+        GPU only.
 
-    ``recompute``: megatron's activation recompute, ``full`` (every layer's input is kept,
-    the layer re-run in backward; ``recompute_num_layers`` layers per checkpointed chunk) or
-    ``selective`` (the core attention only). ``param_dtype``: ``auto`` trains in float32 on CPU
-    and in ``model.dtype`` (bf16/fp16 params, fp32 master weights and grad reduction) on GPU.
-    ``transformer_impl``: ``auto`` uses Transformer Engine layers when TE and CUDA are
-    there, else megatron's local layers. ``make_vocab_size_divisible_by``: the embedding and
-    output layer are padded to a multiple of it (and of ``tp``); padded rows never reach the
-    log-probs or the exported weights. ``backend``: ``auto`` is NCCL with CUDA, else gloo.
+        ``recompute``: megatron's activation recompute, ``full`` (every layer's input is kept,
+        the layer re-run in backward; ``recompute_num_layers`` layers per checkpointed chunk) or
+        ``selective`` (the core attention only). ``param_dtype``: ``auto`` trains in float32 on CPU
+        and in ``model.dtype`` (bf16/fp16 params, fp32 master weights and grad reduction) on GPU.
+        ``transformer_impl``: ``auto`` uses Transformer Engine layers when TE and CUDA are
+        there, else megatron's local layers. ``make_vocab_size_divisible_by``: the embedding and
+        output layer are padded to a multiple of it (and of ``tp``); padded rows never reach the
+        log-probs or the exported weights. ``backend``: ``auto`` is NCCL with CUDA, else gloo
+    (naming the other one is an error: megatron keeps its buffers on the GPU when it has one).
     """
 
     tp: int = 1
