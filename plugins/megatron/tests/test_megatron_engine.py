@@ -311,3 +311,12 @@ def test_layout_must_match_the_world_size():
         MegatronOptions(tp=2).layout(3)
     with pytest.raises(ValueError, match="tp\\*pp\\*dp = 1\\*1\\*2"):
         MegatronOptions(dp=2).layout(4)
+
+
+def test_options_are_validated_under_trainer_megatron():
+    from laminar_core import ConfigError, load_config
+
+    resolved = load_config(None, ["trainer.engine=megatron", "trainer.megatron.tp=2"])
+    assert resolved.engine_options["trainer"].tp == 2
+    with pytest.raises(ConfigError, match=r"trainer\.megatron.*recompute: unknown 'fulll'"):
+        load_config(None, ["trainer.engine=megatron", "trainer.megatron.recompute=fulll"])
