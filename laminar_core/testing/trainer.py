@@ -178,7 +178,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _spawn(spec: _Spec, world: int, init: str, timeout_s: float) -> dict[str, Any]:
+def _spawn(spec: _Spec, world: int, init: str, timeout_s: float) -> list[dict[str, Any]]:
+    import queue
+    import time
+
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -190,21 +193,34 @@ def _spawn(spec: _Spec, world: int, init: str, timeout_s: float) -> dict[str, An
     for p in procs:
         p.start()
     got: dict[int, tuple[bool, Any]] = {}
+    deadline = time.monotonic() + timeout_s
     try:
-        while len(got) < world:
+        while len(got) < world and not any(not ok for ok, _ in got.values()):
             try:
-                rank, ok, value = results.get(timeout=timeout_s)
-            except Exception:
-                dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in got]
+                rank, ok, value = results.get(timeout=1.0)
+                got[rank] = (ok, value)
+                continue
+            except queue.Empty:
+                pass
+            # a rank that died without a word (killed, crashed in C++) fails the check now
+            dead = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in got]
+            if dead:
+                try:  # its result may still be in the pipe
+                    rank, ok, value = results.get(timeout=5.0)
+                    got[rank] = (ok, value)
+                    continue
+                except queue.Empty:
+                    codes = {r: procs[r].exitcode for r in dead}
+                    raise AssertionError(
+                        f"trainer contract: ranks exited without a result (exit codes {codes})"
+                    ) from None
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(world)) - set(got))
                 raise AssertionError(
-                    f"trainer contract: ranks {sorted(set(range(world)) - set(got))} gave no "
-                    f"result within {timeout_s:.0f} s (exited without one: {dead})"
-                ) from None
-            got[rank] = (ok, value)
-            if not ok:
-                break  # the others may be waiting on a collective with the failed rank
+                    f"trainer contract: ranks {missing} gave no result within {timeout_s:.0f} s"
+                )
     finally:
-        for p in procs:
+        for p in procs:  # after a failure the others may wait on a collective with it
             p.join(timeout=5 if len(got) == world else 0.1)
             if p.is_alive():
                 p.kill()

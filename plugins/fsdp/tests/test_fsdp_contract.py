@@ -45,3 +45,27 @@ def test_fsdp_two_ranks_pass_the_trainer_contract(tiny, tmp_path):
         check_trainer_engine("fsdp", tiny, tmp_path, world_size=2, overrides=options)
     )
     assert report["logprobs_after_step_hf_max_diff"] < 1e-4
+
+
+class _StaleExport(FSDPTrainerEngine):
+    """A broken engine: publishes the weights it had at its first export, forever."""
+
+    def export_weights(self):
+        if not hasattr(self, "_first"):
+            self._first = [(n, t.clone()) for n, t in self._full_tensors()]
+
+        async def stale():
+            for item in self._first:
+                yield item
+
+        return stale()
+
+
+def _stale(model: str, rank: int, world: int) -> FSDPTrainerEngine:
+    fresh = _fsdp(model, rank, world)
+    return _StaleExport(fresh.cfg, fresh.opt)
+
+
+def test_the_contract_catches_stale_exported_weights(tiny, tmp_path):
+    with pytest.raises(AssertionError, match="train_step did not change any exported tensor"):
+        asyncio.run(check_trainer_engine(functools.partial(_stale, tiny), tiny, tmp_path))
