@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import json
 import os
 import socket
@@ -482,7 +483,7 @@ class MegatronTrainerEngine(TrainerEngine):
         # One flat vector of every trajectory's response log-probs: the reporting rank of
         # the replica that computed a trajectory fills its slot, a sum over ranks gathers.
         sizes = [len(t.response_ids) for t in trajs]
-        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        starts = [0, *itertools.accumulate(sizes)][:-1]
         flat = torch.zeros(sum(sizes), dtype=torch.float32, device=self.device)
         if self._reports:
             for mb, lp in got:
