@@ -19,6 +19,7 @@ from laminar_core.testing.relay import (
     share_version,
 )
 from laminar_core.testing.rollout import check_rollout_engine
+from laminar_core.testing.trainer import check_trainer_engine, contract_batch
 from laminar_core.testing.transport import check_transport
 
 __all__ = [
@@ -27,7 +28,9 @@ __all__ = [
     "check_relay_chain",
     "check_relay_faults",
     "check_rollout_engine",
+    "check_trainer_engine",
     "check_transport",
+    "contract_batch",
     "make_weights",
     "share_version",
 ]
