@@ -129,6 +129,10 @@ class RelayConfig:
     # (its stall is that copy; the push to the master runs in the background). false: the
     # trainer waits until the master relay holds the version (no extra host copy).
     stage_push: bool = True
+    # Relays on the nodes (nccl, rdma): the trainer's endpoint is in trainer rank 0's actor,
+    # so versions go rank 0 -> master relay. false: rank 0 exports to the driver (through
+    # Ray's object store) and the driver pushes (one more copy of the model per version).
+    push_from_rank0: bool = True
 
 
 @dataclass

@@ -51,7 +51,7 @@ from laminar_core.relay.protocol import (
     HostHandle,
     RelayUnavailable,
 )
-from laminar_core.relay.push import Export, Outgoing, TrainerPush
+from laminar_core.relay.push import Export, Outgoing, Push, TrainerPush
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +86,9 @@ class RelayTier:
     """Relays chained in rank order; the first live one is the master (see module docstring).
 
     ``hosts`` are the relays (ranks 1..p, in order): ``RelayHost`` objects or proxies to
-    relays hosted elsewhere; ``trainer_transport`` is the trainer's own unopened endpoint.
+    relays hosted elsewhere; ``trainer_transport`` is the trainer's own unopened endpoint in
+    this process, or a ``TrainerPush`` hosted where the trainer's rank 0 is (the Ray
+    runtime's: the weights then go rank 0 -> master relay, never through this process).
     ``RelayTier.in_process`` builds a tier over ``NodeRelay`` objects in this process.
 
     Chunking (see ``relay.push``): ``chunks`` > 0 fixes the chunk count; else ``link`` =
@@ -100,7 +102,7 @@ class RelayTier:
     def __init__(
         self,
         hosts: list[HostHandle],
-        trainer_transport: WeightTransport,
+        trainer_transport: WeightTransport | Push,
         *,
         bucket_bytes: int = 64 << 20,
         chunks: int = 0,
@@ -111,14 +113,12 @@ class RelayTier:
         stage: bool = False,
     ) -> None:
         self.chain = Chain(hosts)
-        self.push = TrainerPush(
-            trainer_transport,
-            bucket_bytes=bucket_bytes,
-            chunks=chunks,
-            link=link,
-            max_chunks=max_chunks,
-            stage=stage,
+        self.push: Push = (
+            trainer_transport  # hosted where the trainer's rank 0 is
+            if isinstance(trainer_transport, Push)
+            else TrainerPush(trainer_transport)
         )
+        self.push.configure(bucket_bytes, chunks, link, max_chunks, stage)
         self.calibrate_on_open = calibrate
         self.timeout_s = timeout_s
         self.history: list[PublishResult] = []
@@ -231,6 +231,16 @@ class RelayTier:
 
     # --- a relay coming back ----------------------------------------------------------------------
 
+    async def reopen_push(self) -> None:
+        """The trainer's endpoint was replaced (a restarted trainer hosts a new one): open
+        it and reconnect the chain. A staged copy held by the old one is gone."""
+        await self.wait_broadcast()
+        self.chain.endpoints[TRAINER_RANK] = await self.push.open()
+        await self.chain.refresh(self.push.connect, force=True)
+        self._staged = None
+        if self._held is not None and self._held.staged:
+            self._held = None
+
     async def add_relay(self, host: HostHandle) -> None:
         """A relay of a node that joined: it becomes the last of the chain (next rank) and
         catches up to the newest version (as ``rejoin``)."""
@@ -310,7 +320,7 @@ class RelayTier:
     async def publish(
         self,
         version: int,
-        named_tensors: Export | Callable[[], Export],
+        named_tensors: Export | Callable[[], Export] | None,
         model_bytes: int | None = None,
     ) -> PublishResult:
         """Push ``version`` to the master; return once the master holds it (the trainer's
@@ -319,7 +329,8 @@ class RelayTier:
 
         ``named_tensors`` is the export (an iterable or async iterable of ``(name,
         tensor)``), streamed bucket by bucket, or a callable returning one: then a master
-        that dies mid-push is replaced and the export replayed to the new one. The chunk
+        that dies mid-push is replaced and the export replayed to the new one (``None``: the
+        push exports itself, where it is hosted; a staged copy is still replayed). The chunk
         size needs the model's size up front: ``model_bytes`` if given, else the previous
         version's (weights keep their size); only the first publish walks the export once.
         """

@@ -15,9 +15,10 @@ replicas gets a relay actor (``runtime.relay_actor``, ``num_cpus=0``, pinned to 
 that receives every version over the transport, chains it on to the next node's relay, and
 writes it into the node's shared memory (``relay.shm_dir``, one subdirectory per run), where
 the node's replicas load it (``SharedWeights``): weights never cross the object store. The
-trainer's push endpoint is in the driver (rank 0 exports to the driver through Ray, the
-driver pushes to the master relay). With ``inprocess`` or ``sim`` the relays stay in the
-driver and each replica's weights travel through Ray's object store: fine on one machine.
+trainer's push endpoint is in trainer rank 0's actor (``relay.push_from_rank0``): rank 0
+stages its export and pushes it to the master relay, never through the driver. With
+``inprocess`` or ``sim`` the relays stay in the driver and each replica's weights travel
+through Ray's object store: fine on one machine.
 """
 
 from __future__ import annotations
@@ -38,13 +39,13 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from laminar_core.config.loader import ResolvedConfig
-from laminar_core.interfaces import RolloutEngine, build
+from laminar_core.interfaces import RolloutEngine, WeightTransport, build
 from laminar_core.loop.trainer_group import TrainerGroup
 from laminar_core.models import model_dir
 from laminar_core.relay.node import NodeRelay
 from laminar_core.relay.tier import RelayTier
 from laminar_core.runtime.hosts import RolloutHost, TrainerHost
-from laminar_core.runtime.proxies import RayRolloutEngine, RayTrainerGroup
+from laminar_core.runtime.proxies import RayRolloutEngine, RayTrainerGroup, RemotePush
 from laminar_core.runtime.relay_actor import RayRelay, relay_actor, spawn_relay
 from laminar_core.runtime.run import Run, Started
 from laminar_core.runtime.wiring import RunSpec, assemble, relay_tier_options
@@ -258,7 +259,7 @@ class RayRuntime:
             self.replica_nodes = list(nodes)
             place = place.on_nodes(nodes)
             trainer = RayTrainerGroup(ranks, init, {"seed": cfg.run.seed})
-            tier, relays = self._relay_tier(list(dict.fromkeys(nodes)))
+            tier, relays = self._relay_tier(list(dict.fromkeys(nodes)), trainer)
             try:
                 await asyncio.gather(trainer.setup(), self._relays_ready(rt.start_timeout_s))
             except Exception as e:
@@ -278,7 +279,9 @@ class RayRuntime:
             self._follow = asyncio.ensure_future(self._follow_cluster(run))
         return run
 
-    def _relay_tier(self, node_ids: list[str]) -> tuple[RelayTier, list[Any]]:
+    def _relay_tier(
+        self, node_ids: list[str], trainer: RayTrainerGroup
+    ) -> tuple[RelayTier, list[Any]]:
         """The tier and one node relay per node (in ``node_ids`` order): relay actors on a
         real transport, else relays in the driver."""
         spec = self.spec
@@ -310,10 +313,12 @@ class RayRuntime:
             self.actors.append(relay.handle)
             self.relays.append(relay)
             self.relay_nodes.append(node_id)
-        trainer_transport = build(transport, spec.context("relay", 0, "trainer", 1, {}))
-        tier = RelayTier(
-            list(self.relays), trainer_transport, calibrate=cfg.relay.calibrate, **options
-        )
+        endpoint: WeightTransport | RemotePush
+        if cfg.relay.push_from_rank0:
+            endpoint = RemotePush(trainer)
+        else:
+            endpoint = build(transport, spec.context("relay", 0, "trainer", 1, {}))
+        tier = RelayTier(list(self.relays), endpoint, calibrate=cfg.relay.calibrate, **options)
         return tier, list(self.relays)
 
     async def _relays_ready(self, timeout_s: float) -> None:
@@ -489,6 +494,9 @@ class RayRuntime:
             init = await _with_timeout(ranks[0].rendezvous.remote(), rt.start_timeout_s)
             group = RayTrainerGroup(ranks, init, {"seed": self.spec.resolved.cfg.run.seed})
             await _with_timeout(group.setup(), rt.start_timeout_s)
+            if isinstance(run.tier.push, RemotePush):  # the new rank 0 hosts the endpoint
+                run.tier.push.group = group
+                await run.tier.reopen_push()
         except BaseException:
             self._kill(*ranks)
             raise

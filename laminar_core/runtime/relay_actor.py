@@ -176,7 +176,5 @@ def spawn_relay(
     log_path: str | None = None,
 ) -> RayRelay:
     """A relay actor on ``ray_node_id`` and the driver's handle on it."""
-    handle = relay_actor(
-        config_yaml, relay_id, node, rank, shm_root, ray_node_id, die_at, log_path
-    )
+    handle = relay_actor(config_yaml, relay_id, node, rank, shm_root, ray_node_id, die_at, log_path)
     return RayRelay(handle, relay_id, node, shm_root)
