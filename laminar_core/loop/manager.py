@@ -144,6 +144,7 @@ class RolloutManager:
         self.restart_fn = restart  # None: a failed replica stays out (e.g. studies)
         self.replica_restarts = 0
         self.evicted_replicas: list[str] = []
+        self.first_trajectory_at: float | None = None  # loop time the first one finished
         # Replace a dead node relay (the runtime's restart_relay: it rejoins the chain and
         # catches up); None: relays are not restarted (they live in the driver).
         self.restart_relay_fn: Callable[[int], Awaitable[None]] | None = None
@@ -394,6 +395,8 @@ class RolloutManager:
             tokens=traj.num_response_tokens,
         )
         self.buffer.write(traj)
+        if self.first_trajectory_at is None:
+            self.first_trajectory_at = self.now()
         self._finished.set()
         if not slot.inflight:
             slot.wake.set()

@@ -190,6 +190,10 @@ class RelayTier:
     # --- lifecycle -------------------------------------------------------------------------------
 
     async def open(self) -> None:
+        """Open every endpoint and connect the chain (and calibrate the link); a tier that
+        is open already stays as it is."""
+        if self.chain.endpoints:
+            return
         await self.chain.open(await self.push.open(), self.push.connect)
         if self.calibrate_on_open and self.push.chunks <= 0 and self.push.link is None:
             await self.calibrate()

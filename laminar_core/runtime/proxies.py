@@ -45,6 +45,7 @@ class RayRolloutEngine(RolloutEngine):
         self.replica_id = replica_id
         self.handle = handle
         self.shm_files: list[str] = []
+        self._starting: asyncio.Future | None = None
 
     async def _remote(self, call: Any) -> Any:
         try:
@@ -58,6 +59,13 @@ class RayRolloutEngine(RolloutEngine):
         return await self._remote(self.handle.call.remote(method, *args))
 
     async def start(self) -> None:
+        """Start the engine; once: the runtime starts it early (concurrently with the
+        trainer's set-up), the rollout manager's call then waits for that same start."""
+        if self._starting is None:
+            self._starting = asyncio.ensure_future(self._start())
+        await asyncio.shield(self._starting)
+
+    async def _start(self) -> None:
         await self._call("start")
         self.shm_files = await self._remote(self.handle.shm_files.remote())
 

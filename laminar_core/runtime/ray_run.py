@@ -139,6 +139,7 @@ class RayRuntime:
         self.own_cluster = False  # this run started the local Ray cluster: it ends with it
         self._known_nodes: set[str] = set()  # runtime.elastic: nodes already considered
         self._follow: asyncio.Future | None = None
+        self.startup: dict[str, float] = {}  # part -> seconds it took to start
 
     # --- start ---------------------------------------------------------------------------------
 
@@ -233,16 +234,21 @@ class RayRuntime:
         return actors
 
     async def start(self) -> Run:
-        """Start the actors, set the trainer group up, and wire the loop around them."""
+        """Start the actors, the trainer group, the replicas' engines and the relay tier
+        (all at once: they are independent), and wire the loop around them. How long each
+        part took is in ``startup`` (seconds)."""
         spec = self.spec
         resolved, cfg = spec.resolved, spec.resolved.cfg
         rt, place = cfg.runtime, spec.placement
+        loop = asyncio.get_running_loop()
         tokenizer = load_tokenizer(resolved)
         dataset, report = build_prompts(resolved, tokenizer, spec.pm)
         if spec.reward_fn is None:
             spec = dataclasses.replace(spec, reward_fn=build_reward(resolved, tokenizer, spec.pm))
         needed = place.trainer_gpus * rt.cpus_per_trainer + place.replicas * rt.cpus_per_replica
+        t0 = loop.time()
         self.own_cluster = init_ray(resolved, needed)
+        self.startup["ray"] = loop.time() - t0
         try:
             await self._reserve()
             ranks = self._trainer_actors()
@@ -260,24 +266,48 @@ class RayRuntime:
             place = place.on_nodes(nodes)
             trainer = RayTrainerGroup(ranks, init, {"seed": cfg.run.seed})
             tier, relays = self._relay_tier(list(dict.fromkeys(nodes)), trainer)
+            engines = self.replica_engines = [
+                RayRolloutEngine(f"r{i}", h) for i, h in enumerate(replicas)
+            ]
             try:
-                await asyncio.gather(trainer.setup(), self._relays_ready(rt.start_timeout_s))
+                await _with_timeout(
+                    asyncio.gather(
+                        self._timed("trainer", trainer.setup()),
+                        self._timed("replicas", asyncio.gather(*(e.start() for e in engines))),
+                        self._timed("relays", self._relays_up(tier)),
+                    ),
+                    rt.start_timeout_s,
+                )
             except Exception as e:
-                raise RuntimeStartError(f"the trainer group or a relay failed to start: {e}") from e
+                raise RuntimeStartError(
+                    f"the trainer group, a replica or a relay failed to start: {e}"
+                ) from e
         except BaseException:
             self._release()
             if self.own_cluster:
                 ray.shutdown()
             raise
-        engines = self.replica_engines = [
-            RayRolloutEngine(f"r{i}", h) for i, h in enumerate(replicas)
-        ]
         started = Started(trainer, engines, tier, relays, place, dataset, report)
         run = assemble(spec, started, self)
         if cfg.runtime.elastic:
             self._known_nodes = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
             self._follow = asyncio.ensure_future(self._follow_cluster(run))
         return run
+
+    async def _timed(self, part: str, aw: Any) -> Any:
+        t0 = asyncio.get_running_loop().time()
+        try:
+            return await aw
+        finally:
+            self.startup[part] = asyncio.get_running_loop().time() - t0
+
+    async def _relays_up(self, tier: RelayTier) -> None:
+        """The relay actors are up and the tier's chain is connected (and calibrated);
+        waits for the trainer's rank 0 when it hosts the trainer's endpoint."""
+        if self.relays:
+            calls = (r.handle.node_id.remote() for r in self.relays)
+            await asyncio.gather(*calls)
+            await tier.open()
 
     def _relay_tier(
         self, node_ids: list[str], trainer: RayTrainerGroup
@@ -320,11 +350,6 @@ class RayRuntime:
             endpoint = build(transport, spec.context("relay", 0, "trainer", 1, {}))
         tier = RelayTier(list(self.relays), endpoint, calibrate=cfg.relay.calibrate, **options)
         return tier, list(self.relays)
-
-    async def _relays_ready(self, timeout_s: float) -> None:
-        if self.relays:
-            calls = (r.handle.node_id.remote() for r in self.relays)
-            await _with_timeout(asyncio.gather(*calls), timeout_s)
 
     # --- stop ----------------------------------------------------------------------------------
 
