@@ -243,6 +243,24 @@ class AlgorithmConfig:
 
 
 @dataclass
+class EnvConfig:
+    """The ``env:`` section: the environment a multi-turn (tool-calling) rollout talks to.
+
+    ``name`` (a plugin of kind ``env``; empty: no environment, single-turn rollouts),
+    ``max_turns`` tool turns per trajectory, ``timeout_s`` per tool call (a timeout is an
+    observation), the tool-call ``parser`` (kind ``parser``) and its ``parser_options``, and
+    the environment's own ``options`` (validated by its ``Options``)."""
+
+    name: str = ""
+    max_turns: int = 8
+    timeout_s: float = 30.0
+    parser: str = "code"
+    parser_options: dict[str, Any] = field(default_factory=dict)
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+
+@dataclass
 class LaminarConfig:
     run: RunConfig = field(default_factory=RunConfig)
     schedule: str = "laminar"
@@ -259,6 +277,7 @@ class LaminarConfig:
     study: StudyConfig = field(default_factory=StudyConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
 
 
 # section -> (field naming the engine, plugin kind): extra keys there are engine options

@@ -9,24 +9,20 @@ its options, and the plugin's own ``options``, validated against the plugin clas
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
 from typing import Any
 
 from laminar_core.config.loader import ConfigError, check_keys, structured
+from laminar_core.config.schema import EnvConfig
 from laminar_core.interfaces.environment import EnvContext, Environment, ToolCallParser
 from laminar_core.plugins import PluginManager, UnknownPluginError, default_manager
 
-
-@dataclass
-class EnvConfig:
-    """The ``env:`` section of a run config. ``name`` empty: no environment (single-turn)."""
-
-    name: str = ""
-    max_turns: int = 8
-    timeout_s: float = 30.0
-    parser: str = "code"
-    parser_options: dict[str, Any] = field(default_factory=dict)
-    options: dict[str, Any] = field(default_factory=dict)
+__all__ = [
+    "EnvConfig",
+    "environment_class",
+    "environment_options",
+    "make_environment",
+    "make_parser",
+]
 
 
 def make_parser(

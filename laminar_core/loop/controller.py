@@ -64,6 +64,29 @@ class StepRecord:
     stall: float
     metrics: dict[str, float] = field(default_factory=dict)
     reward_mean: float | None = None
+    rollout: dict[str, float] = field(default_factory=dict)  # e.g. tool calls (multi-turn)
+
+
+def tool_metrics(trajs: list[Any]) -> dict[str, float]:
+    """Per-step figures of multi-turn trajectories (``metadata["env"]``): tool calls and
+    turns per trajectory, tool latency p50 / p99 (s), tool errors and timeouts."""
+    envs = [t.metadata["env"] for t in trajs if "env" in t.metadata]
+    if not envs:
+        return {}
+    lat = sorted(x for e in envs for x in e.get("tool_seconds", []))
+
+    def pct(q: float) -> float:
+        return lat[min(len(lat) - 1, int(q * len(lat)))] if lat else 0.0
+
+    errors = [e.get("errors", {}) for e in envs]
+    return {
+        "tool_calls_mean": sum(e.get("tool_calls", 0) for e in envs) / len(envs),
+        "turns_mean": sum(e.get("turns", 0) for e in envs) / len(envs),
+        "tool_latency_p50": pct(0.5),
+        "tool_latency_p99": pct(0.99),
+        "tool_errors": float(sum(sum(v.values()) for v in errors)),
+        "tool_timeouts": float(sum(v.get("timeout", 0) + v.get("no_answer", 0) for v in errors)),
+    }
 
 
 class StopRequested(Exception):
@@ -238,6 +261,7 @@ class Controller:
             stall=pub.stall_seconds,
             metrics=dict(metrics),
             reward_mean=sum(rewards) / len(rewards) if rewards else None,
+            rollout=tool_metrics(trajs),
         )
         self.records.append(rec)
         self.events.record(t1, "wait_data", "trainer", duration=t1 - t0, step=step)
@@ -444,6 +468,7 @@ class Controller:
             "replica_restarts": self.manager.replica_restarts,
             "trainer_restarts": self.trainer_restarts,
             "stale_dropped": self.stale_dropped,
+            **rec.rollout,
             **rec.metrics,
         }
 

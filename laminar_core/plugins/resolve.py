@@ -146,6 +146,16 @@ def validate(cfg: LaminarConfig, pm: PluginManager) -> None:
         pm.get("repack", cfg.repack.policy)
     except UnknownPluginError as e:
         raise ConfigError(f"repack.policy: {e}") from None
+    if cfg.env.name:
+        from laminar_core.envs.build import environment_options, make_parser
+
+        environment_options(cfg.env.name, dict(cfg.env.options), pm)
+        make_parser(cfg.env.parser, dict(cfg.env.parser_options), pm)
+        if cfg.env.max_turns < 1 or not cfg.env.timeout_s > 0:
+            raise ConfigError(
+                f"env.max_turns must be >= 1 and env.timeout_s > 0 (got {cfg.env.max_turns}, "
+                f"{cfg.env.timeout_s})"
+            )
 
 
 def resolve(

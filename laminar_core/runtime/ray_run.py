@@ -90,7 +90,9 @@ def init_ray(resolved: ResolvedConfig, needed_cpus: float) -> bool:
     # cluster), set explicitly so Ray does not print a notice about choosing it.
     os.environ.setdefault("RAY_AUTH_MODE", "token")
     cpus = rt.num_cpus or max(int(needed_cpus + 0.999), os.cpu_count() or 1)
-    ray.init(num_cpus=cpus, include_dashboard=False, **kwargs)
+    # address="local": a cluster of its own, even if another one on this machine left its
+    # address in /tmp/ray (ray.init() would try to join that one)
+    ray.init(address="local", num_cpus=cpus, include_dashboard=False, **kwargs)
     return True
 
 
@@ -287,7 +289,7 @@ class RayRuntime:
             if self.own_cluster:
                 ray.shutdown()
             raise
-        started = Started(trainer, engines, tier, relays, place, dataset, report)
+        started = Started(trainer, engines, tier, relays, place, dataset, report, tokenizer)
         run = assemble(spec, started, self)
         if cfg.runtime.elastic:
             self._known_nodes = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
