@@ -46,6 +46,7 @@ def _positive(cfg: LaminarConfig) -> None:
         ("trainer.mini_batches", cfg.trainer.mini_batches, 1),
         ("repack.batch_limit", cfg.repack.batch_limit, 1),
         ("study.warmup_steps", cfg.study.warmup_steps, 0),
+        ("run.max_failed_steps", cfg.run.max_failed_steps, 0),
     ]
     for key, value, low in rules:
         if value < low:

@@ -21,6 +21,9 @@ class RunConfig:
     out_dir: str = "runs"
     checkpoint_every: int = 0  # steps between checkpoints; 0: only at the end; -1: never
     resume: str = ""  # a run directory (or one of its checkpoints) to continue from
+    # stop with an error once every trajectory of this many consecutive steps failed (nothing
+    # trains: e.g. every reward raises); 0: never
+    max_failed_steps: int = 3
 
 
 @dataclass

@@ -4,6 +4,10 @@ Per step: ask the experience buffer for a batch (the time spent waiting is train
 time), run the trainer group on it, publish the new version through the relay tier (the
 time until the master relay holds it is the trainer's weight-sync stall), tell the rollout
 manager, write one metrics row.
+
+A run in which nothing trains stops: once every trajectory of ``max_failed_steps``
+consecutive steps failed (rewards raising, engines erroring), ``run`` raises a
+``RuntimeError`` naming the first error, instead of "training" on nothing until the end.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from laminar_core.loop.manager import RolloutManager
 from laminar_core.loop.trainer_group import TrainerGroup
 from laminar_core.relay.tier import RelayTier
 from laminar_core.telemetry import EventLog, MetricsWriter
-from laminar_core.types import TrainBatch
+from laminar_core.types import FinishReason, TrainBatch, Trajectory
 
 
 @dataclass
@@ -51,6 +55,7 @@ class Controller:
         keep_batches: bool = False,
         run_dir: Path | None = None,
         checkpoint_every: int = 0,
+        max_failed_steps: int = 3,
     ) -> None:
         self.trainer = trainer
         self.manager = manager
@@ -69,6 +74,8 @@ class Controller:
         self.checkpoint_every = checkpoint_every
         self.consumed_prompts: set[int] = set()  # prompt indices whose groups were trained on
         self._republish = False  # after a restore: replicas must get the restored weights
+        self.max_failed_steps = max_failed_steps  # 0: never stop for failed trajectories
+        self._failed: list[list[Trajectory]] = []  # trailing steps whose every trajectory failed
 
     async def save_checkpoint(self) -> Path:
         """Trainer state on every rank, then the loop's state, then the ``latest`` marker."""
@@ -133,6 +140,7 @@ class Controller:
         batch = await self._sample(step)
         t1 = loop.time()
         trajs = batch.trajectories
+        self._check_failures(trajs)
         if self.keep_batches:
             self.batches.append(batch)
         if self.needs_logprobs:
@@ -179,6 +187,33 @@ class Controller:
         )
         prev_end = self.records[-2].end if len(self.records) > 1 else self.t_start
         self.metrics.write(self._row(rec, prev_end))
+
+    def _check_failures(self, trajs: list[Trajectory]) -> None:
+        """Count the trailing steps whose every trajectory failed; raise at the limit."""
+        if not trajs or any(t.finish_reason is not FinishReason.FAILED for t in trajs):
+            self._failed.clear()
+            return
+        self._failed.append(trajs)
+        n = self.max_failed_steps
+        if n <= 0 or len(self._failed) < n:
+            return
+        failed = [t for step in self._failed for t in step]
+        errors = [t.error or "no error recorded" for t in failed]
+        first = errors[0]
+        others = len(set(errors)) - 1
+        msg = (
+            f"every trajectory of the last {n} steps failed ({len(failed)} trajectories), so "
+            f"nothing trains; the first error: {first}"
+        )
+        if others:
+            msg += f" ({others} other distinct error(s))"
+        if first.startswith("reward:"):
+            msg += (
+                ". When every reward fails, check that the rollout engine copies "
+                "request.metadata into Trajectory.metadata (rewards read the prompt's row "
+                "from it; laminar_core.testing.check_rollout_engine checks it)"
+            )
+        raise RuntimeError(f"{msg}. run.max_failed_steps={n} sets this limit (0: never)")
 
     async def _sample(self, step: int) -> TrainBatch:
         """The next batch, unless the rollout manager breaks first (then raise)."""

@@ -142,6 +142,7 @@ def assemble(spec: RunSpec, started: Started, runtime: Runtime) -> Run:
         needs_logprobs=cfg.algorithm.off_policy != "none",
         run_dir=run_dir,
         checkpoint_every=cfg.run.checkpoint_every,
+        max_failed_steps=cfg.run.max_failed_steps,
     )
     return Run(
         spec.resolved,
