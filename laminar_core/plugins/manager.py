@@ -388,7 +388,7 @@ def _hook_problems(pm: pluggy.PluginManager, plugin: object) -> list[str]:
     for attr in dir(plugin):
         if attr in marked or not attr.startswith("laminar_"):
             continue
-        if attr not in _HOOK_NAMES and not difflib.get_close_matches(attr, _HOOK_NAMES, n=1):
+        if attr not in _HOOK_NAMES and not _close_hook(attr):
             continue  # a helper that merely starts with laminar_
         try:
             value = getattr(plugin, attr)
@@ -400,10 +400,17 @@ def _hook_problems(pm: pluggy.PluginManager, plugin: object) -> list[str]:
     return problems
 
 
+def _close_hook(name: str) -> str | None:
+    """The hook ``name`` is probably a typo of (every hook starts with ``laminar_``, so
+    only a close match counts)."""
+    close = difflib.get_close_matches(name, _HOOK_NAMES, n=1, cutoff=0.8)
+    return close[0] if close else None
+
+
 def _hook_hint(name: str) -> str:
-    close = difflib.get_close_matches(name, _HOOK_NAMES, n=1)
+    close = _close_hook(name)
     if close:
-        return f" (did you mean {close[0]!r}?)"
+        return f" (did you mean {close!r}?)"
     return f"; Laminar's hooks are {', '.join(_HOOK_NAMES)}"
 
 
