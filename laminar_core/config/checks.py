@@ -50,6 +50,7 @@ def _positive(cfg: LaminarConfig) -> None:
         ("study.warmup_steps", cfg.study.warmup_steps, 0),
         ("rollout.max_restarts", cfg.rollout.max_restarts, 0),
         ("trainer.max_restarts", cfg.trainer.max_restarts, 0),
+        ("run.max_failed_steps", cfg.run.max_failed_steps, 0),
     ]
     for key, value, low in rules:
         if value < low:

@@ -22,6 +22,9 @@ class RunConfig:
     checkpoint_every: int = 0  # steps between checkpoints; 0: only at the end; -1: never
     resume: str = ""  # a run directory (or one of its checkpoints) to continue from
     checkpoint_on_stop: bool = True  # Ctrl-C / SIGTERM: save a checkpoint before stopping
+    # stop with an error once every trajectory of this many consecutive steps failed (nothing
+    # trains: e.g. every reward raises); 0: never
+    max_failed_steps: int = 3
 
 
 @dataclass

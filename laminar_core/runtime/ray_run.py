@@ -382,6 +382,11 @@ class RayRuntime:
             self.pg = None
         if self.shm_root:
             shutil.rmtree(self.shm_root, ignore_errors=True)
+            # and the root (relay.shm_dir) once no run uses it: tmpfs is RAM, and an empty
+            # directory left behind by every run looks like a leak. A run still using it
+            # keeps it (rmdir refuses a non-empty directory).
+            with contextlib.suppress(OSError):
+                Path(self.shm_root).parent.rmdir()
 
     # --- elastic nodes -------------------------------------------------------------------------
 

@@ -156,6 +156,7 @@ def assemble(spec: RunSpec, started: Started, runtime: Runtime) -> Run:
             stale_policy=cfg.buffer.stale_policy,
             max_trainer_restarts=cfg.trainer.max_restarts,
             max_unavailable_s=cfg.relay.max_unavailable_s,
+            max_failed_steps=cfg.run.max_failed_steps,
         ),
         metrics=MetricsWriter(run_dir / "metrics.jsonl" if run_dir else None),
         events=events,
