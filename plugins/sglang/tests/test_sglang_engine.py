@@ -256,17 +256,26 @@ def test_stats_reflect_running_requests(rt, engine):
             asyncio.ensure_future(engine.generate(_req(f"r{i}", PROMPTS[0], 1000)))
             for i in range(3)
         ]
-        seen = []
+        first = []
 
         async def all_in() -> bool:
             st = await engine.stats()
-            seen.append(st)
-            return st.running + st.waiting == 3 and st.kv_use > 0
+            first.append(st)
+            return st.running + st.waiting == 3
 
         await _until(all_in, what="three requests in the stats")
+        grown = []
+
+        async def decoding() -> bool:
+            # SGLang's scheduler view: KV tokens in use grow as the three requests decode
+            st = await engine.stats()
+            grown.append(st)
+            return st.kv_use * st.kv_capacity_tokens >= first[-1].kv_use * 16384 + 3 * 20
+
+        await _until(decoding, what="the KV tokens in use to grow")
         await engine.abort([f"r{i}" for i in range(3)])
         await asyncio.gather(*tasks)
-        return seen[-1], await engine.stats()
+        return grown[-1], await engine.stats()
 
     busy, idle = rt.run(main())
     assert busy.running + busy.waiting == 3 and 0 < busy.kv_use <= 1
