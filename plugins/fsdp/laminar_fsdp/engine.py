@@ -15,7 +15,7 @@ import json
 import math
 import os
 import socket
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -29,6 +29,7 @@ from laminar_core import (
     TrainerContext,
     TrainerEngine,
     Trajectory,
+    iterate_in_thread,
     model_dir,
 )
 from laminar_core.algorithms import compute_advantages, policy_loss
@@ -292,12 +293,16 @@ class FSDPTrainerEngine(TrainerEngine):
         diff[2] += mask[rows].sum().item()
 
     # -- weights -----------------------------------------------------------------------------
-    def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Full tensors in Hugging Face naming, one parameter at a time.
+    def export_weights(self) -> AsyncIterator[tuple[str, torch.Tensor]]:
+        """Full tensors in Hugging Face naming, one parameter at a time, each gathered on a
+        worker thread (the event loop keeps serving).
 
         Collective: every rank must iterate it in step (each parameter is all-gathered);
         the runtime keeps rank 0's tensors and drops the others'.
         """
+        return iterate_in_thread(self._full_tensors())
+
+    def _full_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, p in self.model.named_parameters():
             full = p.full_tensor() if hasattr(p, "full_tensor") else p
             yield name, full.detach().to("cpu", self.export_dtype)

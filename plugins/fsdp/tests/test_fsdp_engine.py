@@ -49,8 +49,16 @@ def _batch(vocab: int, version: int = 0) -> TrainBatch:
         groups.append(Group(f"g{g}", g, trajs))
     # a failed trajectory is not trained on
     groups[0].trajectories.append(
-        Trajectory("g0-x", "g0", version, prompt_ids=[3], response_ids=[4], logprobs=[-1.0],
-                   finish_reason=FinishReason.FAILED, error="reward: boom")
+        Trajectory(
+            "g0-x",
+            "g0",
+            version,
+            prompt_ids=[3],
+            response_ids=[4],
+            logprobs=[-1.0],
+            finish_reason=FinishReason.FAILED,
+            error="reward: boom",
+        )
     )
     return TrainBatch(0, groups)
 
@@ -59,23 +67,27 @@ def _rank(rank: int, world: int, port: int, model_dir: str, ckpt: str, out: dict
     torch.set_num_threads(1)
     cfg = load_config(
         None,
-        [f"model.path={model_dir}", "model.dtype=float32", "trainer.mini_batches=2",
-         "run.steps=4"],
+        [f"model.path={model_dir}", "model.dtype=float32", "trainer.mini_batches=2", "run.steps=4"],
     ).cfg
 
     async def main() -> dict:
         eng = FSDPTrainerEngine(cfg, FSDPOptions(lr=1e-3, micro_batch_tokens=40))
-        ctx = TrainerContext(rank, world, eng.opt, cfg.algorithm,
-                             {"init_method": f"tcp://127.0.0.1:{port}", "seed": 0})
+        ctx = TrainerContext(
+            rank,
+            world,
+            eng.opt,
+            cfg.algorithm,
+            {"init_method": f"tcp://127.0.0.1:{port}", "seed": 0},
+        )
         await eng.setup(ctx)
-        before = dict(eng.export_weights())
+        before = {n: t async for n, t in eng.export_weights()}
         batch = _batch(eng.model.config.vocab_size)
         metrics = await eng.train_step(batch)
-        after = dict(eng.export_weights())
+        after = {n: t async for n, t in eng.export_weights()}
         await eng.save_checkpoint(ckpt)
         await eng.train_step(batch)  # moves the weights on past the checkpoint
         await eng.load_checkpoint(ckpt)
-        restored = dict(eng.export_weights())
+        restored = {n: t async for n, t in eng.export_weights()}
         await eng.close()
         return {
             "metrics": metrics,
