@@ -251,7 +251,7 @@ class SGLangRolloutEngine(RolloutEngine):
             msg = await asyncio.wait_for(channel.recv(self._reader), self.opt.start_timeout_s)
         except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError) as e:
             code = self._proc.poll()
-            await self._kill_host()
+            await self._abandon("did not start")
             what = (
                 f"did not start within {self.opt.start_timeout_s:.0f} s "
                 "(rollout.sglang.start_timeout_s)"
@@ -263,7 +263,7 @@ class SGLangRolloutEngine(RolloutEngine):
                 "above give the cause"
             ) from None
         if msg["t"] == "failed":
-            await self._kill_host()
+            await self._abandon("failed to start")
             raise RuntimeError(
                 f"rollout replica {self.replica_id}: SGLang failed to start on {path}: "
                 f"{msg['error']}. The lines above from SGLang give the root cause; on CPU the "
@@ -295,6 +295,14 @@ class SGLangRolloutEngine(RolloutEngine):
         self._proc = None
         with contextlib.suppress(OSError):  # another engine of this process may still use it
             (_SHM / f"{_PREFIX}{os.getpid()}").rmdir()
+
+    async def _abandon(self, reason: str) -> None:
+        """A start that failed: nothing of the host is left, and the engine is dead."""
+        self._dead = reason
+        await self._kill_host()
+        if self._writer is not None:
+            self._writer.close()
+        self._proc = None
 
     async def _kill_host(self) -> None:
         """Remove the host and whatever SGLang left of its process group, reap the host and
