@@ -109,7 +109,8 @@ def pm() -> PluginManager:
 
 def test_kinds_table_and_public_api() -> None:
     assert list(KINDS) == [
-        *("trainer", "rollout", "transport", "repack", "schedule", "task", "reward")
+        *("trainer", "rollout", "transport", "repack", "schedule", "task", "reward"),
+        *("env", "parser"),
     ]
     assert KINDS["rollout"].hook == "laminar_rollout_engines"
     for name in plugins.__all__:

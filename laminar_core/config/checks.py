@@ -20,6 +20,7 @@ def check_values(cfg: LaminarConfig) -> None:
     """Every schema-level check (see module docstring)."""
     _positive(cfg)
     _buffer(cfg)
+    _telemetry(cfg)
     _data_reward(cfg)
     _runtime(cfg)
     import torch  # only here: parsing a config must not pay for torch
@@ -126,6 +127,18 @@ def _runtime(cfg: LaminarConfig) -> None:
 
 
 STALE_POLICIES = ("drop", "wait")
+
+
+ENGINE_LOGS = ("run_dir", "terminal")
+
+
+def _telemetry(cfg: LaminarConfig) -> None:
+    where = cfg.telemetry.engine_logs
+    if where not in ENGINE_LOGS:
+        raise ConfigError(
+            f"telemetry.engine_logs: unknown '{where}'{close_match(where, ENGINE_LOGS)}; "
+            f"known: {', '.join(ENGINE_LOGS)}"
+        )
 
 
 def _buffer(cfg: LaminarConfig) -> None:

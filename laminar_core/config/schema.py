@@ -204,6 +204,9 @@ class TelemetryConfig:
     progress: bool = True  # console line per step
     tensorboard: bool = True  # RUN_DIR/tensorboard/ event files (needs the tensorboard package)
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    # Where the engines' and Ray's own output goes: RUN_DIR/logs/<actor>.log ("run_dir"), or
+    # the terminal ("terminal", what `laminar train --verbose` sets).
+    engine_logs: str = "run_dir"
 
 
 @dataclass

@@ -390,6 +390,7 @@ class RolloutManager:
             duration=traj.finish_time - traj.start_time,
             id=tid,
             version=traj.version,
+            versions=traj.versions or [traj.version],
             tokens=traj.num_response_tokens,
         )
         self.buffer.write(traj)
@@ -695,6 +696,24 @@ class RolloutManager:
         for s in self.slots:  # its replicas may now load what they missed
             if s.relay is relay:
                 s.wake.set()
+
+    def add_replica(self, engine: RolloutEngine, relay: NodeRelayLike, version: int) -> None:
+        """A replica that joined the run (a new node, ``runtime.elastic``), started and at
+        ``version``: it loads its node relay's newest version, then takes work."""
+        slot = ReplicaSlot(engine.replica_id, len(self.slots), engine, relay, version)
+        if all(s.relay is not relay for s in self.slots):
+            relay.events.subscribe(self._relay_listener(relay))
+        self.slots.append(slot)
+        self.by_id[slot.replica_id] = slot
+        self.events.record(self.now(), "replica_added", slot.replica_id, node=relay.node)
+        log.warning("replica %s joined (node %s)", slot.replica_id, relay.node)
+        if relay.version > slot.version:
+            slot.wake.set()  # pull first
+        else:
+            self._open[slot.replica_id] = slot
+            self._newest_open = None
+        self._spawn(self._driver(slot))
+        self._kick()
 
     def _may_restart(self, slot: ReplicaSlot) -> bool:
         """Record a failure now; False once there were more than ``max_restarts`` within

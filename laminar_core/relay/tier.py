@@ -124,6 +124,7 @@ class RelayTier:
         self.history: list[PublishResult] = []
         self._last_version: int | None = None
         self._held: Outgoing | None = None  # the newest version a master took (for catch-up)
+        self._staged: Outgoing | None = None  # the newest staged version (its bytes are current)
         self._attempts = 0
         self._background: set[asyncio.Future] = set()  # broadcasts (and repairs) under way
 
@@ -230,6 +231,13 @@ class RelayTier:
 
     # --- a relay coming back ----------------------------------------------------------------------
 
+    async def add_relay(self, host: HostHandle) -> None:
+        """A relay of a node that joined: it becomes the last of the chain (next rank) and
+        catches up to the newest version (as ``rejoin``)."""
+        rank = self.chain.hosts[-1][0] + 1
+        self.chain.hosts.append((rank, host))
+        await self.rejoin(host)
+
     async def rejoin(self, host: HostHandle) -> None:
         """``host`` (a relay of this tier, replaced after it died: same rank, new process)
         joins the chain again and catches up: it gets the newest version from a relay that
@@ -247,7 +255,13 @@ class RelayTier:
         rank = next(r for r, h in self.chain.hosts if h is host)
         self.chain.endpoints[rank] = await host.open()
         await self.chain.refresh(self.push.connect, force=True)
-        held = self._held
+        held, staged = self._held, self._staged
+        if staged is not None and (held is None or staged.version > held.version):
+            # the newest version is one whose push failed (no relay was left to take it):
+            # its staged bytes are the arena's current ones, send those
+            log.warning("relay rank %s: catching up from the trainer's staged copy", rank)
+            await self._catch_up_from_staged(staged)
+            return
         if held is None:
             return  # nothing published yet: the next publish reaches it
         live = list(self.chain.live)
@@ -256,18 +270,23 @@ class RelayTier:
             await self.chain.repair(
                 held.version, held.count, held.manifest, self._next_attempt(), self.timeout_s
             )
-        elif held.staged:
+        elif held is staged:
             log.warning("relay rank %s: catching up from the trainer's staged copy", rank)
-            attempt = _Attempt(self, held, live, self._next_attempt())
-            await attempt.push()
-            await attempt.finish(held.manifest)
+            await self._catch_up_from_staged(staged)
         else:
             log.warning(
-                "relay rank %s: no live relay holds version %s and it was not staged: the "
-                "next publish reaches it",
+                "relay rank %s: no live relay holds version %s and its staged copy is gone: "
+                "the next publish reaches it",
                 rank,
                 held.version,
             )
+
+    async def _catch_up_from_staged(self, staged: Outgoing) -> None:
+        attempt = _Attempt(self, staged, list(self.chain.live), self._next_attempt())
+        await attempt.push()
+        self._held = staged
+        self._last_version = max(self._last_version or -1, staged.version)
+        await attempt.finish(staged.manifest)
 
     # --- publishing ------------------------------------------------------------------------------
 
@@ -321,6 +340,7 @@ class RelayTier:
         if self.push.stage:  # staged before the chain is looked at: the trainer waits for it
             out = await self.push.prepare(version, export, len(self.chain.live) + 1, model_bytes)
             if out.staged:
+                self._staged = out
                 self.push.model_bytes = out.nbytes  # (the version counts once the master has it)
                 result = PublishResult(
                     version, out.nbytes, out.count, loop.time() - t0, self.master_rank

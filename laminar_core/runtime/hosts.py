@@ -17,7 +17,7 @@ import torch
 from laminar_core.interfaces import BuildContext, TensorWeights, TrainerContext, build
 from laminar_core.plugins import default_manager
 from laminar_core.plugins.resolve import resolve
-from laminar_core.runtime.ray_calls import limit_threads
+from laminar_core.runtime.ray_calls import limit_threads, log_to
 
 
 def _engine(config_yaml: str, kind: str, index: int, name: str, gpus: int) -> Any:
@@ -34,13 +34,20 @@ def _engine(config_yaml: str, kind: str, index: int, name: str, gpus: int) -> An
 class RolloutHost:
     """A rollout replica's actor: ``call(method, *args)`` forwards to the engine."""
 
-    def __init__(self, config_yaml: str, index: int, name: str, gpus: int) -> None:
+    def __init__(
+        self, config_yaml: str, index: int, name: str, gpus: int, log_path: str | None = None
+    ) -> None:
+        log_to(log_path)
         limit_threads()
         self.engine, _ = _engine(config_yaml, "rollout", index, name, gpus)
 
     async def call(self, method: str, *args: Any) -> Any:
         return await getattr(self.engine, method)(*args)
 
+
+    def pid(self) -> int:
+        """This actor's process id (for operators, and the chaos tests' ``kill -9``)."""
+        return os.getpid()
     def shm_files(self) -> list[str]:
         """Shared-memory files (``/dev/shm``) this actor's engine processes have mapped: what
         a replica killed without a goodbye leaves behind (vLLM's message queues)."""
@@ -60,13 +67,20 @@ class TrainerHost:
     """One trainer rank's actor. ``export`` runs the (collective) export on every rank and
     returns the tensors from rank 0 only."""
 
-    def __init__(self, config_yaml: str, rank: int, world: int, gpus: int) -> None:
+    def __init__(
+        self, config_yaml: str, rank: int, world: int, gpus: int, log_path: str | None = None
+    ) -> None:
+        log_to(log_path)
         limit_threads()
         self.rank, self.world = rank, world
         self.engine, resolved = _engine(config_yaml, "trainer", rank, "trainer", gpus)
         self.cfg = resolved.cfg
         self.options = resolved.engine_options.get("trainer")
 
+
+    def pid(self) -> int:
+        """This actor's process id (for operators, and the chaos tests' ``kill -9``)."""
+        return os.getpid()
     def ping(self) -> bool:
         return True
 

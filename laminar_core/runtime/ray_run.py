@@ -50,6 +50,8 @@ from laminar_core.runtime.run import Run, Started
 from laminar_core.runtime.wiring import RunSpec, assemble, relay_tier_options
 from laminar_core.tasks import build_prompts, build_reward
 
+log = logging.getLogger(__name__)
+
 # Transports whose endpoints only work inside one process: their relays stay in the driver.
 DRIVER_TRANSPORTS = ("inprocess", "sim")
 _runs = itertools.count()
@@ -74,10 +76,18 @@ def init_ray(resolved: ResolvedConfig, needed_cpus: float) -> bool:
         return False
     rt = resolved.cfg.runtime
     env = {k: os.environ.get(k, v) for k, v in WORKER_ENV.items()}
-    kwargs: dict[str, Any] = {"runtime_env": {"env_vars": env}, "logging_level": logging.WARNING}
+    kwargs: dict[str, Any] = {
+        "runtime_env": {"env_vars": env},
+        "logging_level": logging.WARNING,
+        # engine output goes to RUN_DIR/logs/ (the actors write there), not the terminal
+        "log_to_driver": resolved.cfg.telemetry.engine_logs == "terminal",
+    }
     if rt.address:
         ray.init(address=rt.address, **kwargs)
         return False
+    # A cluster of our own: token authentication on (Ray's default for a new local
+    # cluster), set explicitly so Ray does not print a notice about choosing it.
+    os.environ.setdefault("RAY_AUTH_MODE", "token")
     cpus = rt.num_cpus or max(int(needed_cpus + 0.999), os.cpu_count() or 1)
     ray.init(num_cpus=cpus, include_dashboard=False, **kwargs)
     return True
@@ -89,6 +99,10 @@ def load_tokenizer(resolved: ResolvedConfig):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(path))
+
+
+def _node_alive(node_id: str) -> bool:
+    return any(n["NodeID"] == node_id and n["Alive"] for n in ray.nodes())
 
 
 async def _with_timeout(aw, seconds: float):
@@ -122,6 +136,8 @@ class RayRuntime:
         self.replica_nodes: list[str] = []  # Ray node id per replica
         self.relay_nodes: list[str] = []  # Ray node id per relay
         self.own_cluster = False  # this run started the local Ray cluster: it ends with it
+        self._known_nodes: set[str] = set()  # runtime.elastic: nodes already considered
+        self._follow: asyncio.Future | None = None
 
     # --- start ---------------------------------------------------------------------------------
 
@@ -158,21 +174,42 @@ class RayRuntime:
                 "Lower cluster.gpus / runtime.cpus_per_* or add nodes."
             ) from e
 
+    def _log(self, name: str) -> str | None:
+        """Where actor ``name`` writes its output (``telemetry.engine_logs``)."""
+        run_dir = self.spec.run_dir
+        if run_dir is None or self.spec.resolved.cfg.telemetry.engine_logs != "run_dir":
+            return None
+        return str(Path(run_dir).resolve() / "logs" / f"{name}.log")
+
     def _at(self, bundle: int) -> PlacementGroupSchedulingStrategy:
         return PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle)
 
     def _replica_actor(self, index: int) -> Any:
+        """Replica ``index``'s actor: in its placement-group bundle, or (a replica added on
+        a node that joined) pinned to that node."""
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
         cfg = self.spec.resolved.cfg
         world = self.spec.placement.trainer_gpus
+        if index < self.spec.placement.replicas:
+            where: Any = self._at(world + index)
+        else:
+            where = NodeAffinitySchedulingStrategy(self.replica_nodes[index], soft=False)
         actor = (
             ray.remote(RolloutHost)
             .options(
                 num_cpus=cfg.runtime.cpus_per_replica,
                 num_gpus=float(cfg.cluster.gpus_per_replica) if self.gpu else 0,
-                scheduling_strategy=self._at(world + index),
+                scheduling_strategy=where,
                 max_concurrency=1 << 16,  # one generate call per in-flight trajectory
             )
-            .remote(self.config_yaml, index, f"r{index}", cfg.cluster.gpus_per_replica)
+            .remote(
+                self.config_yaml,
+                index,
+                f"r{index}",
+                cfg.cluster.gpus_per_replica,
+                self._log(f"replica-r{index}"),
+            )
         )
         self.actors.append(actor)
         return actor
@@ -187,7 +224,7 @@ class RayRuntime:
                 num_gpus=1 if self.gpu else 0,
                 scheduling_strategy=self._at(rank),
             )
-            .remote(self.config_yaml, rank, world, int(self.gpu))
+            .remote(self.config_yaml, rank, world, int(self.gpu), self._log(f"trainer-rank{rank}"))
             for rank in range(world)
         ]
         self.actors += actors
@@ -235,7 +272,11 @@ class RayRuntime:
             RayRolloutEngine(f"r{i}", h) for i, h in enumerate(replicas)
         ]
         started = Started(trainer, engines, tier, relays, place, dataset, report)
-        return assemble(spec, started, self)
+        run = assemble(spec, started, self)
+        if cfg.runtime.elastic:
+            self._known_nodes = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+            self._follow = asyncio.ensure_future(self._follow_cluster(run))
+        return run
 
     def _relay_tier(self, node_ids: list[str]) -> tuple[RelayTier, list[Any]]:
         """The tier and one node relay per node (in ``node_ids`` order): relay actors on a
@@ -257,7 +298,15 @@ class RayRuntime:
         name = f"{cfg.run.name}-{os.getpid()}-{next(_runs)}-{uuid.uuid4().hex[:6]}"
         self.shm_root = str(Path(cfg.relay.shm_dir) / name)
         for i, node_id in enumerate(node_ids):  # relay i is chain rank i + 1
-            relay = spawn_relay(self.config_yaml, i, i, i + 1, self.shm_root, node_id)
+            relay = spawn_relay(
+                self.config_yaml,
+                i,
+                i,
+                i + 1,
+                self.shm_root,
+                node_id,
+                log_path=self._log(f"relay{i}"),
+            )
             self.actors.append(relay.handle)
             self.relays.append(relay)
             self.relay_nodes.append(node_id)
@@ -275,6 +324,9 @@ class RayRuntime:
     # --- stop ----------------------------------------------------------------------------------
 
     async def close(self, run: Run) -> None:
+        if self._follow is not None:
+            self._follow.cancel()
+            await asyncio.gather(self._follow, return_exceptions=True)
         with contextlib.suppress(Exception):  # a dead or broken group: the actors go anyway
             await run.trainer.close()
         self._release()
@@ -298,6 +350,59 @@ class RayRuntime:
             self.pg = None
         if self.shm_root:
             shutil.rmtree(self.shm_root, ignore_errors=True)
+
+    # --- elastic nodes -------------------------------------------------------------------------
+
+    async def _follow_cluster(self, run: Run, every_s: float = 2.0) -> None:
+        """``runtime.elastic``: a node that joins the cluster gets a relay and as many
+        replicas as its resources allow, which load the newest version and take prompts.
+        (A node that leaves loses its replicas and relay: they fail and are evicted.)"""
+        while True:
+            await asyncio.sleep(every_s)
+            for node in ray.nodes():
+                node_id = node["NodeID"]
+                if not node["Alive"] or node_id in self._known_nodes:
+                    continue
+                self._known_nodes.add(node_id)
+                try:
+                    await self._grow(run, node_id, node.get("Resources", {}))
+                except Exception as e:  # the node left again, or cannot host an engine
+                    log.warning("node %s joined but could not be used: %s", node_id[:8], e)
+
+    async def _grow(self, run: Run, node_id: str, resources: dict[str, float]) -> None:
+        cfg = self.spec.resolved.cfg
+        fits = int(resources.get("CPU", 0) // max(cfg.runtime.cpus_per_replica, 1e-9))
+        if self.gpu:
+            fits = min(fits, int(resources.get("GPU", 0) // cfg.cluster.gpus_per_replica))
+        if fits < 1:
+            return
+        log.warning("node %s joined: adding a relay and %d replica(s)", node_id[:8], fits)
+        relay = None
+        if self.shm_root is not None:  # relays on the nodes: this node gets its own
+            rid = len(self.relays)
+            relay = spawn_relay(
+                self.config_yaml,
+                rid,
+                rid,
+                rid + 1,
+                self.shm_root,
+                node_id,
+                log_path=self._log(f"relay{rid}"),
+            )
+            self.actors.append(relay.handle)
+            self.relays.append(relay)
+            self.relay_nodes.append(node_id)
+            await run.tier.add_relay(relay)
+        for _ in range(fits):
+            index = len(self.replica_handles)
+            self.replica_nodes.append(node_id)
+            handle = self._replica_actor(index)
+            self.replica_handles.append(handle)
+            engine = RayRolloutEngine(f"r{index}", handle)
+            self.replica_engines.append(engine)
+            await _with_timeout(engine.start(), cfg.runtime.start_timeout_s)
+            node_relay = relay if relay is not None else run.relays[0]
+            run.manager.add_replica(engine, node_relay, (await engine.stats()).version)
 
     # --- recovery ------------------------------------------------------------------------------
 
@@ -329,6 +434,8 @@ class RayRuntime:
         memory removed."""
         rt = self.spec.resolved.cfg.runtime
         self._kill(self.replica_handles[index])
+        if not _node_alive(self.replica_nodes[index]):
+            raise RuntimeStartError(f"replica r{index}'s node is gone")
         await asyncio.to_thread(self._remove_shm, index)
         handle = self.replica_handles[index] = self._replica_actor(index)
         engine = self.replica_engines[index] = RayRolloutEngine(f"r{index}", handle)
@@ -350,6 +457,8 @@ class RayRuntime:
         if self.shm_root is None:
             raise RuntimeError("relays in the driver are not restarted")
         relay = self.relays[relay_id]
+        if not _node_alive(self.relay_nodes[relay_id]):
+            raise RuntimeStartError(f"relay {relay_id}'s node is gone")
         self._kill(relay.handle)
         handle = relay_actor(
             self.config_yaml,
@@ -358,6 +467,7 @@ class RayRuntime:
             relay_id + 1,
             self.shm_root,
             self.relay_nodes[relay_id],
+            log_path=self._log(f"relay{relay_id}"),
         )
         self.actors.append(handle)
         try:

@@ -10,6 +10,7 @@ Each ``check_*`` coroutine drives an engine through its interface's lifecycle an
         asyncio.run(check_rollout_engine(lambda name: MyEngine(name), prompt_ids=[1, 2, 3]))
 """
 
+from laminar_core.testing.environment import check_environment
 from laminar_core.testing.relay import (
     assert_loaded,
     check_relay_chain,
@@ -18,14 +19,18 @@ from laminar_core.testing.relay import (
     share_version,
 )
 from laminar_core.testing.rollout import check_rollout_engine
+from laminar_core.testing.trainer import check_trainer_engine, contract_batch
 from laminar_core.testing.transport import check_transport
 
 __all__ = [
     "assert_loaded",
+    "check_environment",
     "check_relay_chain",
     "check_relay_faults",
     "check_rollout_engine",
+    "check_trainer_engine",
     "check_transport",
+    "contract_batch",
     "make_weights",
     "share_version",
 ]
