@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import shutil
 import socket
 import sys
 import traceback
@@ -56,12 +58,20 @@ class _Host:
             await self.writer.drain()
             return
         self.tm = self.engine.tokenizer_manager
-        channel.send(self.writer, {"t": "ready", **(await self._info())})
+        info = await self._info()
+        channel.send(self.writer, {"t": "ready", **info})
         await self.writer.drain()
         try:
             await self._serve()
         finally:
             self.engine.shutdown()
+            # what SGLang leaves behind; the replica removes it too, unless it is the one gone
+            for path in info["leftovers"]:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+            tmp = os.environ.get("TMPDIR", "")
+            if os.path.basename(tmp).startswith("laminar-sglang-"):
+                shutil.rmtree(tmp, ignore_errors=True)
 
     async def _info(self) -> dict[str, Any]:
         capacity = 0
