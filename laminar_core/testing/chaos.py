@@ -123,7 +123,9 @@ async def target_pids(
 
         parent = await _pid(rt.replica_handles[fault.index].pid)
         kids = psutil.Process(parent).children(recursive=True)
-        cores = [p.pid for p in kids if "EngineCore" in " ".join(_name(p))]
+        # vLLM's engine core; SGLang's scheduler (under its host process)
+        marks = ("EngineCore", "sglang::scheduler")
+        cores = [p.pid for p in kids if any(m in " ".join(_name(p)) for m in marks)]
         if not cores:
             raise RuntimeError(f"replica {fault.index} has no engine process under pid {parent}")
         return cores[:1]
