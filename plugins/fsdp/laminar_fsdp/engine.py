@@ -21,6 +21,7 @@ import math
 import os
 import socket
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, TypeVar
@@ -37,7 +38,8 @@ from laminar_core import (
     model_dir,
 )
 from laminar_core.algorithms import compute_advantages, policy_loss
-from laminar_fsdp import ulysses
+from laminar_fsdp import attention, ulysses
+from laminar_fsdp.attention import PackedRow
 from laminar_fsdp.batching import (
     MicroBatch,
     assign_ranks,
@@ -55,7 +57,7 @@ from laminar_fsdp.export import WeightStream, export_buckets
 from laminar_fsdp.memory import SavedBytes, saved_activations
 from laminar_fsdp.options import FSDPOptions
 from laminar_fsdp.policy import PolicyModel, train_mode_without_dropout
-from laminar_fsdp.ulysses import SPState, gather_sequence
+from laminar_fsdp.ulysses import gather_sequence
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _STATE_FILE = "trainer_state.json"
@@ -83,15 +85,20 @@ class FSDPTrainerEngine(TrainerEngine):
         # sequence parallelism: ranks [dp_rank * sp, (dp_rank + 1) * sp) share a packed row
         self.sp, self.dp, self.sp_rank, self.dp_rank = 1, 1, 0, 0
         self.sp_group: dist.ProcessGroup | None = None
+        self.row_kwarg = False  # the model runs attention.py's packed attention
         self.device = torch.device("cpu")
         self.model: PolicyModel | None = None
         self.lm: torch.nn.Module | None = None
         self._recomputed: dict[str, torch.Tensor] = {}
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="laminar-fsdp")
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
-        """Blocking work off the event loop, on this rank's device (the CUDA device is
-        per thread, and ``asyncio.to_thread`` may use any worker thread)."""
-        return await asyncio.to_thread(self._on_device, fn, *args)
+        """Blocking work off the event loop, always on the engine's one worker thread: the
+        CUDA device is per thread, collectives must run in one order, and DTensor caches its
+        sharding decisions per thread (a fresh thread re-derives them: ~0.4 s per step for
+        the tiny model's optimiser step on CPU, measured)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, self._on_device, fn, *args)
 
     def _on_device(self, fn: Callable[..., T], *args: Any) -> T:
         self._pin_device()
@@ -103,7 +110,7 @@ class FSDPTrainerEngine(TrainerEngine):
 
     # -- setup -------------------------------------------------------------------------------
     async def setup(self, ctx: TrainerContext) -> None:
-        await asyncio.to_thread(self._setup, ctx)
+        await self._run(self._setup, ctx)
 
     def _setup(self, ctx: TrainerContext) -> None:
         from torch.distributed.device_mesh import init_device_mesh
@@ -140,8 +147,10 @@ class FSDPTrainerEngine(TrainerEngine):
                 self.device.type, (self.dp, self.sp), mesh_dim_names=("dp", "sp")
             )
             self.sp_group = grid.get_group("sp")
+        attn = self._attention(cuda)
+        self.row_kwarg = attn == attention.ATTENTION_NAME
         lm = AutoModelForCausalLM.from_pretrained(
-            str(path), dtype=torch.float32, attn_implementation=self._attention(cuda)
+            str(path), dtype=torch.float32, attn_implementation=attn
         )
         if self.sp > 1:
             conf = lm.config
@@ -180,10 +189,12 @@ class FSDPTrainerEngine(TrainerEngine):
         self.export_dtype = _DTYPES.get(self.cfg.model.dtype, torch.float32)
 
     def _attention(self, cuda: bool) -> str:
-        """The transformers attention implementation: Ulysses' own under sequence
-        parallelism (it picks varlen FlashAttention or SDPA inside), else the option."""
-        if self.sp > 1:
-            return ulysses.register()
+        """The transformers attention implementation. Packed rows (and always under sequence
+        parallelism) use the engine's own (``attention.py``: varlen FlashAttention or SDPA per
+        trajectory, no dense mask) unless ``attention`` names one of transformers'; padded
+        rows use ``flash_attention_2`` on CUDA when flash-attn is installed, else SDPA."""
+        if self.sp > 1 or (self.opt.pack and self.opt.attention == "auto"):
+            return attention.register()
         if self.opt.attention != "auto":
             return self.opt.attention
         return "flash_attention_2" if cuda and importlib.util.find_spec("flash_attn") else "sdpa"
@@ -210,14 +221,14 @@ class FSDPTrainerEngine(TrainerEngine):
         """
         dev = self.device
         ids, pos, labels = mb.input_ids, mb.position_ids, mb.labels
-        sp = None
+        row = None
+        if mb.packed and self.row_kwarg:
+            sp = {"group": self.sp_group, "size": self.sp, "rank": self.sp_rank}
+            row = PackedRow.of(mb.cu_seqlens, dev, **sp)
         if self.sp > 1:
             width = ids.shape[1] // self.sp
             cols = slice(self.sp_rank * width, (self.sp_rank + 1) * width)
             ids, pos, labels = ids[:, cols], pos[:, cols], labels[:, cols]
-            cu = torch.tensor(mb.cu_seqlens, dtype=torch.int32)
-            longest = int((cu[1:] - cu[:-1]).max())
-            sp = SPState(self.sp_group, self.sp, self.sp_rank, cu.to(dev), longest)
         mask = mb.attention_mask.to(dev) if mb.attention_mask is not None else None
         lp, ent = self.model(
             ids.to(dev),
@@ -227,13 +238,13 @@ class FSDPTrainerEngine(TrainerEngine):
             temperature=self.temperature,
             chunk=self.opt.logprob_chunk,
             with_entropy=with_entropy,
-            sp=sp,
+            row=row,
         )
         if ent is not None:
             ent = ent.detach()
-        if sp is not None:
-            lp = gather_sequence(lp, sp)
-            ent = gather_sequence(ent, sp) if ent is not None else None
+        if row is not None and row.size > 1:
+            lp = gather_sequence(lp, row)
+            ent = gather_sequence(ent, row) if ent is not None else None
         return lp, ent
 
     def _plan(self, trajs: list[Trajectory], chunk: list[int]) -> list[MicroBatch]:
@@ -426,7 +437,9 @@ class FSDPTrainerEngine(TrainerEngine):
         named = list(self.lm.named_parameters())
         size = int(self.opt.export_bucket_mb * (1 << 20))
         return WeightStream(
-            lambda: export_buckets(named, self.export_dtype, self.device, size), self._pin_device
+            lambda: export_buckets(named, self.export_dtype, self.device, size),
+            self._pin_device,
+            self._pool,
         )
 
     # -- checkpoints -------------------------------------------------------------------------
@@ -467,7 +480,8 @@ class FSDPTrainerEngine(TrainerEngine):
 
     async def close(self) -> None:
         if dist.is_initialized():
-            dist.destroy_process_group()
+            await self._run(dist.destroy_process_group)
+        self._pool.shutdown(wait=False)
 
 
 def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -18,7 +18,7 @@ Every yielded tensor is a view into a host buffer owned by that bucket alone: co
 keep them (the runtime keeps rank 0's whole export) and nothing later overwrites them.
 
 :class:`WeightStream` is what ``export_weights()`` returns: iterate it with ``async for``
-(each bucket's blocking work runs in ``asyncio.to_thread``, so the event loop keeps going --
+(each bucket's blocking work runs in a worker thread, so the event loop keeps going --
 the interface core is moving to) or with a plain ``for`` (today's runtime).
 """
 
@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import Executor
 
 import torch
 import torch.distributed as dist
@@ -180,14 +181,19 @@ def _ready(pending: tuple[Named, torch.cuda.Event | None]) -> Named:
 
 class WeightStream:
     """``(name, tensor)`` pairs, produced bucket by bucket by ``make()`` (a fresh bucket
-    iterator) -- iterable both ways (see the module docstring). ``before_each`` runs in the
-    thread that does a bucket's work (the trainer pins its CUDA device there)."""
+    iterator) -- iterable both ways (see the module docstring). Under ``async for`` each
+    bucket's work runs in ``executor`` (``None``: asyncio's default, as ``to_thread``);
+    ``before_each`` runs in the thread that does it (the trainer pins its CUDA device)."""
 
     def __init__(
-        self, make: Callable[[], Iterator[Named]], before_each: Callable[[], None] | None = None
+        self,
+        make: Callable[[], Iterator[Named]],
+        before_each: Callable[[], None] | None = None,
+        executor: Executor | None = None,
     ) -> None:
         self._make = make
         self._before = before_each or (lambda: None)
+        self._executor = executor
 
     def __iter__(self) -> Iterator[tuple[str, Tensor]]:
         self._before()
@@ -204,6 +210,7 @@ class WeightStream:
             self._before()
             return next(buckets, None)
 
-        while (bucket := await asyncio.to_thread(step)) is not None:
+        loop = asyncio.get_running_loop()
+        while (bucket := await loop.run_in_executor(self._executor, step)) is not None:
             for item in bucket:
                 yield item

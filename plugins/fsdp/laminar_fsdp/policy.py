@@ -13,7 +13,7 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from laminar_core.algorithms import chunked_logprobs
-from laminar_fsdp.ulysses import SPState
+from laminar_fsdp.attention import PackedRow
 
 # Config attributes of models whose head is more than ``hidden @ W.T (+ b)``.
 _HEAD_EXTRAS = ("final_logit_softcapping", "logit_scale", "output_multiplier_scale")
@@ -51,9 +51,9 @@ class PolicyModel(nn.Module):
         temperature: float = 1.0,
         chunk: int = 1024,
         with_entropy: bool = False,
-        sp: SPState | None = None,
+        row: PackedRow | None = None,
     ) -> tuple[Tensor, Tensor | None]:
-        kw = {"laminar_sp": sp} if sp is not None else {}
+        kw = {"laminar_row": row} if row is not None else {}
         hidden = self.base(
             input_ids=input_ids,
             attention_mask=attention_mask,

@@ -3,57 +3,30 @@
 A packed row of ``L`` tokens is split into ``N`` contiguous slices, one per rank of a
 sequence-parallel group. Everything outside attention (embeddings, norms, MLPs, the log-prob
 head) is per token and runs on the local slice. Attention needs every token of a trajectory,
-so around it two all-to-alls swap what is split:
+so around it two all-to-alls swap what is split (:func:`attention`):
 
 - before: ``q, k, v [1, heads, L/N, d]`` -> ``[1, heads/N, L, d]`` (each rank: all positions,
-  a slice of the heads);
-- attention over the whole row for those heads, restricted to each trajectory (varlen
-  FlashAttention on GPU when ``flash-attn`` is installed, else SDPA with a block-diagonal
-  causal mask);
+  a slice of the heads; KV heads are repeated first when there are fewer than ``N``);
+- packed attention over the whole row for those heads (``attention.packed_attention``);
 - after: ``[1, heads/N, L, d]`` -> ``[1, heads, L/N, d]``.
 
 Rotary embeddings are applied by the model before the attention function, from each rank's
 own slice of the position ids, so nothing else in the model changes. The all-to-alls are
 autograd functions (the backward of one is the other), so gradients and activation
-checkpointing's recompute go through them.
-
-The attention function is registered with transformers under :data:`ATTENTION_NAME`; a model
-loaded with ``attn_implementation=ATTENTION_NAME`` calls it with a :class:`SPState` passed as
-the ``laminar_sp`` keyword of the model's forward (transformers forwards unknown keywords to
-the attention function; keeping the state in the call, not in a global, is what lets the
-checkpointed recompute in backward see the same state).
+checkpointing's recompute go through them. :func:`gather_sequence` all-gathers the per-token
+log-probs afterwards so every rank of the group computes the loss over the whole row.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import math
-from dataclasses import dataclass
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-ATTENTION_NAME = "laminar_ulysses"
-
-
-@dataclass
-class SPState:
-    """One packed row's sequence-parallel context, the same on every rank of the group.
-
-    ``cu_seqlens`` are the cumulative lengths of the row's segments (trajectories, then the
-    padding that makes ``L`` a multiple of ``size``), ``[0, ..., L]``.
-    """
-
-    group: dist.ProcessGroup | None
-    size: int
-    rank: int
-    cu_seqlens: Tensor  # int32 [segments + 1], on the compute device
-    max_seqlen: int
-
-    @property
-    def total(self) -> int:
-        return int(self.cu_seqlens[-1])
+from laminar_fsdp.attention import PackedRow
 
 
 def _a2a(x: Tensor, group: dist.ProcessGroup | None) -> Tensor:
@@ -124,11 +97,11 @@ class _GatherSeq(torch.autograd.Function):
         return g[..., ctx.rank * w : (ctx.rank + 1) * w].contiguous(), None, None, None
 
 
-def gather_sequence(x: Tensor, sp: SPState) -> Tensor:
+def gather_sequence(x: Tensor, row: PackedRow) -> Tensor:
     """``[..., L/N]`` on every rank -> ``[..., L]`` (differentiable; see :class:`_GatherSeq`)."""
-    if sp.size == 1:
+    if row.size == 1:
         return x
-    return _GatherSeq.apply(x, sp.group, sp.size, sp.rank)
+    return _GatherSeq.apply(x, row.group, row.size, row.rank)
 
 
 def kv_repeat(kv_heads: int, heads: int, n: int) -> int:
@@ -145,67 +118,17 @@ def kv_repeat(kv_heads: int, heads: int, n: int) -> int:
     return r
 
 
-def _flash_varlen_available(device: torch.device) -> bool:
-    return device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None
-
-
-def packed_attention(q: Tensor, k: Tensor, v: Tensor, sp: SPState, scaling: float) -> Tensor:
-    """Causal attention restricted to each segment of the row. ``q [1, h, L, d]``,
-    ``k, v [1, h_kv, L, d]`` with ``h % h_kv == 0``; returns ``[1, h, L, d]``."""
-    h, hk = q.shape[1], k.shape[1]
-    if _flash_varlen_available(q.device):
-        from flash_attn import flash_attn_varlen_func
-
-        out = flash_attn_varlen_func(
-            q[0].transpose(0, 1).contiguous(),
-            k[0].transpose(0, 1).contiguous(),
-            v[0].transpose(0, 1).contiguous(),
-            cu_seqlens_q=sp.cu_seqlens,
-            cu_seqlens_k=sp.cu_seqlens,
-            max_seqlen_q=sp.max_seqlen,
-            max_seqlen_k=sp.max_seqlen,
-            softmax_scale=scaling,
-            causal=True,
-        )
-        return out.transpose(0, 1).unsqueeze(0)
-    if hk != h:
-        k = k.repeat_interleave(h // hk, dim=1)
-        v = v.repeat_interleave(h // hk, dim=1)
-    seq = q.shape[2]
-    lengths = (sp.cu_seqlens[1:] - sp.cu_seqlens[:-1]).long()
-    seg = torch.repeat_interleave(torch.arange(len(lengths), device=q.device), lengths)
-    pos = torch.arange(seq, device=q.device)
-    mask = (seg[:, None] == seg[None, :]) & (pos[:, None] >= pos[None, :])
-    return torch.nn.functional.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask[None, None], scale=scaling
-    )
-
-
-def ulysses_attention(
-    module: torch.nn.Module,
+def attention(
     query: Tensor,
     key: Tensor,
     value: Tensor,
-    attention_mask: Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    sliding_window: int | None = None,
-    **kwargs,
-) -> tuple[Tensor, None]:
-    """transformers attention interface: ``query [1, H, L/N, d]`` (after rotary) in,
-    ``[1, L/N, H, d]`` out. Needs ``laminar_sp`` (an :class:`SPState`) in ``kwargs``."""
-    sp: SPState | None = kwargs.get("laminar_sp")
-    if sp is None:
-        raise RuntimeError(
-            f"attention {ATTENTION_NAME!r} needs the laminar_sp keyword (the trainer passes it); "
-            "load the model with another attn_implementation to run it outside the trainer"
-        )
-    if dropout:
-        raise ValueError("sequence-parallel attention runs without dropout (RL trainers do)")
-    if sliding_window is not None:
-        raise ValueError("sequence-parallel attention does not support sliding-window layers")
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    n, group = sp.size, sp.group
+    row: PackedRow,
+    scale: float,
+    kernel: Callable[[Tensor, Tensor, Tensor, PackedRow, float], Tensor],
+) -> Tensor:
+    """``query [1, H, L/N, d]``, ``key, value [1, H_kv, L/N, d]`` -> ``[1, H, L/N, d]``:
+    all-to-all to head slices over the whole row, ``kernel``, all-to-all back."""
+    n, group = row.size, row.group
     r = kv_repeat(key.shape[1], query.shape[1], n)
     if r > 1:
         key = key.repeat_interleave(r, dim=1)
@@ -213,14 +136,4 @@ def ulysses_attention(
     q = _SeqToHeads.apply(query, group, n)
     k = _SeqToHeads.apply(key, group, n)
     v = _SeqToHeads.apply(value, group, n)
-    out = packed_attention(q, k, v, sp, scale)
-    out = _HeadsToSeq.apply(out, group, n)
-    return out.transpose(1, 2).contiguous(), None
-
-
-def register() -> str:
-    """Register :func:`ulysses_attention` with transformers (idempotent); returns its name."""
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(ATTENTION_NAME, ulysses_attention)
-    return ATTENTION_NAME
+    return _HeadsToSeq.apply(kernel(q, k, v, row, scale), group, n)

@@ -2,9 +2,9 @@
 give the log-probs, loss and gradients of 1 rank holding the rows whole.
 
 The SP run also turns activation checkpointing on, so the recompute in backward goes through
-the all-to-alls too; the 1-rank reference uses transformers' own packed SDPA attention, so the
-Ulysses attention (its own block-diagonal mask, KV heads repeated 1 -> 2 for the split) is
-checked against an independent implementation.
+the all-to-alls too; the 1-rank reference uses transformers' own packed SDPA attention (a
+mask from the restarting position ids), so the Ulysses path (all-to-alls, KV heads repeated
+1 -> 2 for the split, SDPA per trajectory) is checked against an independent implementation.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from laminar_fsdp import FSDPOptions, FSDPTrainerEngine
 
 # 24 real tokens per rank: a row of 48 split at column 24, through the middle of trajectories
 SP_OPTS = {"lr": 1e-3, "micro_batch_tokens": 24, "sequence_parallel": 2}
-REF_OPTS = {"lr": 1e-3, "micro_batch_tokens": 48}
+# transformers' own packed attention (a block-diagonal mask from the restarting position ids)
+REF_OPTS = {"lr": 1e-3, "micro_batch_tokens": 48, "attention": "sdpa"}
 
 
 def _run(rank: int, world: int, port: int, model_dir: str, opts: dict) -> dict:
