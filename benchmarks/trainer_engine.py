@@ -24,7 +24,9 @@ Figures (one run, same batch, same model):
 - the longest single trajectory that trains: doubling from ``--probe-start`` until out of
   memory (GPU) or ``--probe-cap`` (CPU: so the probe ends in about a minute);
 - export GB/s: the engine's bucketed export vs the old per-parameter ``.to("cpu", dtype)``
-  vs a plain copy of the same tensors (GPU: into pinned host buffers, asynchronous).
+  vs a plain copy of the same tensors (GPU: into pinned host buffers, asynchronous), and a
+  copy into fresh host memory kept until the end (what an export the consumer keeps costs:
+  on CPU, first touch of new pages).
 """
 
 from __future__ import annotations
@@ -291,8 +293,15 @@ def export_rates(eng, repeats: int) -> dict[str, float]:
             for t in locals_:
                 torch.empty_like(t).copy_(t)
 
+    def kept() -> None:  # fresh host memory held until the end, as a consumer holds an export
+        held = [torch.empty(t.shape, dtype=dtype, pin_memory=dev.type == "cuda") for t in locals_]
+        for h, t in zip(held, locals_, strict=True):
+            h.copy_(t, non_blocking=True)
+        sync(dev)
+
     out = {}
-    for name, fn in (("export_new", new), ("export_old", old), ("copy_baseline", plain)):
+    runs = (("export_new", new), ("export_old", old), ("copy_baseline", plain), ("copy_kept", kept))
+    for name, fn in runs:
         fn()  # warm-up (allocators, pinned pool)
         best = math.inf
         for _ in range(repeats):
@@ -416,6 +425,7 @@ def main(argv: list[str] | None = None) -> dict:
                 ["engine export (bucketed)", f"{res['export_new_gbps']:.2f}"],
                 ["old export (per parameter .to)", f"{res['export_old_gbps']:.2f}"],
                 [f"{copy} of the same tensors", f"{res['copy_baseline_gbps']:.2f}"],
+                ["copy into fresh host memory, all kept", f"{res['copy_kept_gbps']:.2f}"],
             ],
             [f"export of {res['export_gb'] * 1e3:.1f} MB", "GB/s"],
         )
