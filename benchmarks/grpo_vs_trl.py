@@ -72,8 +72,8 @@ def _pool_rows(model_dir: str, n_prompts: int) -> list[dict[str, Any]]:
     """
     from transformers import AutoTokenizer
 
+    from laminar_core import load_config
     from laminar_core.buffers import PromptPool
-    from laminar_core.config import load_config
     from laminar_core.tasks import build_prompts
 
     resolved = load_config(CONFIG, [f"model.path={model_dir}"])

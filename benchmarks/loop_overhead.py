@@ -17,7 +17,7 @@ import time
 
 from _common import say
 
-from laminar_core.config import load_config
+from laminar_core import load_config
 from laminar_core.runtime.local import build_local_run
 from laminar_core.sim.clock import run_virtual
 

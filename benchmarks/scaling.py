@@ -12,7 +12,7 @@ import argparse
 
 from _common import EXAMPLES, say, table
 
-from laminar_core.config import load_config
+from laminar_core import load_config
 from laminar_core.sim.study import run_study
 
 

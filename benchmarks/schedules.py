@@ -15,7 +15,7 @@ import json
 
 from _common import EXAMPLES, say, table
 
-from laminar_core.config import load_config
+from laminar_core import load_config
 from laminar_core.sim.study import simulate_schedule
 
 SETUPS = ["paper_7b_256gpu", "paper_32b_512gpu", "paper_72b_1024gpu"]

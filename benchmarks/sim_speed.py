@@ -9,7 +9,7 @@ import argparse
 
 from _common import EXAMPLES, say
 
-from laminar_core.config import load_config
+from laminar_core import load_config
 from laminar_core.sim.study import simulate_schedule
 
 

@@ -270,9 +270,12 @@ def export_rates(eng, repeats: int) -> dict[str, float]:
     named = list(eng.lm.named_parameters())
     nbytes = sum(p.numel() for _, p in named) * dtype.itemsize
 
-    def new() -> None:
-        for _ in eng.export_weights():
+    async def drain() -> None:
+        async for _ in eng.export_weights():
             pass
+
+    def new() -> None:  # the interface's async generator, as the runtime consumes it
+        asyncio.run(drain())
 
     def old() -> None:  # the engine's export before this change
         for _, p in named:

@@ -5,23 +5,31 @@ The public API that plugins and users import. Everything not re-exported here (o
 """
 
 from laminar_core.algorithms import AlgorithmConfig
-from laminar_core.config import ConfigError, LaminarConfig, ResolvedConfig, load_config
+from laminar_core.config import ConfigError, LaminarConfig, ResolvedConfig
 from laminar_core.interfaces import (
     Alloc,
     BuildContext,
+    ModelOnly,
     RepackPolicy,
     ReplicaFailure,
     RolloutEngine,
+    SharedVersionGone,
+    SharedWeights,
+    TensorWeights,
     TrainerContext,
     TrainerEngine,
+    TrainerFailure,
     TransportError,
+    WeightsRef,
     WeightTransport,
+    iterate_in_thread,
 )
 from laminar_core.models import build_tiny_model, model_dir
 from laminar_core.plugins import hookimpl
+from laminar_core.plugins.resolve import load_config
 from laminar_core.relay import WeightIntegrityError, unpack
 from laminar_core.relay.packing import checksum as bucket_checksum
-from laminar_core.relay.shm import SharedVersionGone, SharedWeights, load_shared
+from laminar_core.relay.shm import load_shared
 from laminar_core.relay.wire import HEADER_BYTES as BUCKET_HEADER_BYTES
 from laminar_core.relay.wire import decode_bucket_header, encode_bucket_header
 from laminar_core.tasks import DataError, DataReport, RewardError, build_prompts, build_reward
@@ -57,6 +65,7 @@ __all__ = [
     "GenerationRequest",
     "Group",
     "LaminarConfig",
+    "ModelOnly",
     "Move",
     "PartialTrajectory",
     "RepackPolicy",
@@ -69,14 +78,17 @@ __all__ = [
     "SharedVersionGone",
     "SharedWeights",
     "TensorSpec",
+    "TensorWeights",
     "TrainBatch",
     "TrainerContext",
     "TrainerEngine",
+    "TrainerFailure",
     "Trajectory",
     "TransportError",
     "WeightIntegrityError",
     "WeightManifest",
     "WeightTransport",
+    "WeightsRef",
     "__version__",
     "bucket_checksum",
     "build_prompts",
@@ -85,6 +97,7 @@ __all__ = [
     "decode_bucket_header",
     "encode_bucket_header",
     "hookimpl",
+    "iterate_in_thread",
     "load_config",
     "load_shared",
     "model_dir",

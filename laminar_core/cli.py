@@ -1,4 +1,4 @@
-"""The ``laminar`` command: train, simulate, config show, plugins.
+"""The ``laminar`` command: train, simulate, report, config show, plugins.
 
 Every expected failure (bad config, bad data file, unknown engine) ends with one line on
 stderr that names the problem, and exit status 2.
@@ -9,11 +9,16 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from laminar_core.config import ConfigError, load_config
+from laminar_core import ConfigError, load_config
 from laminar_core.plugins import PluginResolveError, UnknownPluginError, default_manager
+from laminar_core.plugins.resolve import schedule_of
 from laminar_core.runtime.train import TrainError
 from laminar_core.sim.lengths import LengthFileError
+
+if TYPE_CHECKING:
+    from laminar_core.sim.study import StudyTrace
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -31,12 +36,28 @@ def _parser() -> argparse.ArgumentParser:
                 "--out", help="write the result rows as JSON here (default: a new run directory)"
             )
             s.add_argument("--schedules", help="comma-separated, replaces study.schedules")
+            s.add_argument(
+                "--trace",
+                metavar="FILE",
+                help="write one run's Perfetto/Chrome timeline to FILE, and its events, "
+                "metrics and config next to it (for `laminar report DIR`)",
+            )
+            s.add_argument(
+                "--trace-schedule",
+                metavar="NAME",
+                help="the schedule to trace (default: the first; with a sweep, the first point)",
+            )
     c = sub.add_parser("config", help="config utilities")
     csub = c.add_subparsers(dest="config_cmd", required=True)
     show = csub.add_parser("show", help="print the resolved config")
     show.add_argument("config")
     show.add_argument("overrides", nargs="*")
     sub.add_parser("plugins", help="list every discovered engine, transport, policy, schedule")
+    rep = sub.add_parser(
+        "report", help="plots and an index.html from a run directory (or a simulate --trace dir)"
+    )
+    rep.add_argument("run_dir", help="a run directory, or the directory of a simulate --trace")
+    rep.add_argument("--out", help="where to write (default: RUN_DIR/report/)")
     tiny = sub.add_parser(
         "tiny-model", help="write a tiny random-init Qwen2-style model + char tokenizer (no hub)"
     )
@@ -70,6 +91,41 @@ def _tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _report(args: argparse.Namespace) -> int:
+    from laminar_core.telemetry.report import ReportError, write_report
+
+    try:
+        rep = write_report(args.run_dir, args.out)
+    except ReportError as e:
+        print(f"laminar: error: report: {e}", file=sys.stderr)
+        return 2
+    for note in rep.notes:
+        print(f"laminar report: note: {note}", file=sys.stderr)
+    names = ", ".join(p.name for p in rep.images) or "no plots"
+    print(f"wrote {rep.index} ({names}) in {rep.seconds:.1f} s")
+    return 0
+
+
+def _study_trace(args: argparse.Namespace, specs: list[str]) -> StudyTrace | None:
+    """The ``StudyTrace`` of ``--trace``/``--trace-schedule``, checked before anything runs."""
+    from laminar_core.sim.study import StudyTrace, check_trace_path
+
+    if not args.trace:
+        if args.trace_schedule:
+            raise ConfigError("--trace-schedule needs --trace FILE")
+        return None
+    if args.trace_schedule and args.trace_schedule not in specs:
+        raise ConfigError(
+            f"--trace-schedule: '{args.trace_schedule}' is not one of this study's schedules: "
+            f"{', '.join(specs)}"
+        )
+    try:
+        path = check_trace_path(args.trace)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return StudyTrace(path, args.trace_schedule or "")
+
+
 def _simulate(args: argparse.Namespace) -> int:
     from laminar_core.sim.study import format_table, run_study, write_json
 
@@ -78,7 +134,8 @@ def _simulate(args: argparse.Namespace) -> int:
     if args.schedules:
         schedules = [s.strip() for s in args.schedules.split(",") if s.strip()]
         for spec in schedules:
-            resolved.schedule(spec)  # validate before running anything
+            schedule_of(resolved, spec)  # validate before running anything
+    trace = _study_trace(args, schedules or list(resolved.cfg.study.schedules))
 
     def progress(row: dict) -> None:
         where = f"[{row['point']}] " if row["point"] else ""
@@ -89,8 +146,16 @@ def _simulate(args: argparse.Namespace) -> int:
             flush=True,
         )
 
-    rows = run_study(resolved, schedules=schedules, progress=progress)
+    rows = run_study(resolved, schedules=schedules, progress=progress, trace=trace)
     print(format_table(rows))
+    if trace is not None and trace.written:
+        print(f"wrote {trace.path} and, next to it, {', '.join(p.name for p in trace.written[1:])}")
+        print(f"  (render it with: laminar report {trace.path.parent})")
+    elif trace is not None:  # a sweep point replaced study.schedules: the schedule never ran
+        print(
+            f"laminar: warning: --trace: schedule '{trace.schedule}' never ran; nothing traced",
+            file=sys.stderr,
+        )
     if args.out:
         out = Path(args.out)
     else:
@@ -126,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
             return _train(args)
         if args.cmd == "tiny-model":
             return _tiny_model(args)
+        if args.cmd == "report":
+            return _report(args)
     except (ConfigError, LengthFileError, UnknownPluginError, PluginResolveError, TrainError) as e:
         print(f"laminar: error: {e}", file=sys.stderr)
         return 2

@@ -196,3 +196,67 @@ def test_simulate_without_out_writes_json_to_a_run_directory(
     assert [r["schedule"] for r in rows] == ["sync"]
     assert (run_dir / "config.yaml").exists()
     assert f"wrote {run_dir / 'simulate.json'}" in capsys.readouterr().out
+
+
+def test_simulate_trace_keeps_the_study_numbers(cfg_file: Path, tmp_path: Path) -> None:
+    plain = simulate(cfg_file, tmp_path / "a.json", "--schedules", "laminar,sync")
+    trace = tmp_path / "t" / "trace.json"
+    traced = simulate(
+        cfg_file, tmp_path / "b.json", "--schedules", "laminar,sync", "--trace", str(trace)
+    )
+
+    def strip(rows: list[dict]) -> list[dict]:
+        return [{k: v for k, v in r.items() if k != "wall_seconds"} for r in rows]
+
+    assert strip(traced) == strip(plain)
+    info = json.loads((trace.parent / "trace_info.json").read_text())
+    assert info["schedule"] == "laminar"  # the first schedule by default
+    assert info["row"] == traced[0]
+    events = (trace.parent / "events.jsonl").read_text().splitlines()
+    assert events and json.loads(events[0])["kind"] in {"trajectory", "wait_data", "repack"}
+    assert len((trace.parent / "metrics.jsonl").read_text().splitlines()) == traced[0]["steps"]
+    assert json.loads(trace.read_text())["traceEvents"]
+
+
+def test_simulate_trace_schedule_picks_the_traced_run(
+    cfg_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = tmp_path / "t" / "sync.json"
+    argv = ["--schedules", "laminar,sync", "--trace", str(trace), "--trace-schedule", "sync"]
+    rows = simulate(cfg_file, tmp_path / "r.json", *argv)
+    info = json.loads((trace.parent / "trace_info.json").read_text())
+    assert info["schedule"] == "sync" and info["row"] == rows[1]
+    assert yaml.safe_load((trace.parent / "config.yaml").read_text())["schedule"] == "sync"
+    events = [json.loads(x) for x in (trace.parent / "events.jsonl").read_text().splitlines()]
+    pushes = sorted(e["t"] for e in events if e["kind"] == "weight_push")
+    # sync: every trajectory finishes while the trainer still holds its generating version
+    for e in events:
+        if e["kind"] == "trajectory":
+            assert sum(t <= e["t"] for t in pushes) == e["version"]
+    assert f"laminar report {trace.parent}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("extra", "expected"),
+    [
+        (["--trace-schedule", "sync"], "--trace-schedule needs --trace FILE"),
+        (["--trace", "{tmp}/t.json", "--trace-schedule", "sink"], "'sink' is not one of"),
+        (["--trace", "{tmp}/metrics.jsonl"], "one of the files written next to it"),
+        (["--trace", "{tmp}/run/trace.json"], "holds another run's metrics.jsonl"),
+    ],
+)
+def test_simulate_trace_bad_arguments(
+    cfg_file: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    extra: list[str],
+    expected: str,
+) -> None:
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 0}\n')
+    extra = [x.replace("{tmp}", str(tmp_path)) for x in extra]
+    argv = ["simulate", str(cfg_file), *TINY, "--schedules", "laminar,sync", *extra]
+    assert main(argv) == 2
+    assert expected in one_error_line(capsys)
+    assert capsys.readouterr().out == ""  # nothing ran
+    assert (tmp_path / "run" / "metrics.jsonl").read_text() == '{"step": 0}\n'

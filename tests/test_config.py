@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from laminar_core.config import ConfigError, LaminarConfig, load_config, resolve
+from laminar_core import ConfigError, LaminarConfig, load_config
+from laminar_core.plugins.resolve import resolve, schedule_of
 from laminar_core.sim.config import SimRolloutConfig
 
 # A study list without any stale:K schedule, so partial_rollout cannot be "used" by a study.
@@ -243,7 +244,7 @@ def test_schedule_without_argument_rejects_one() -> None:
 
 
 def test_stale_zero_is_fine() -> None:
-    assert resolve({}, ["schedule=stale:0"]).schedule().max_lag == 0
+    assert schedule_of(resolve({}, ["schedule=stale:0"])).max_lag == 0
 
 
 # --- semantic checks -----------------------------------------------------------------------
@@ -268,7 +269,7 @@ def test_partial_rollout_rejected_without_stale() -> None:
 
 def test_partial_rollout_with_stale_is_fine() -> None:
     r = resolve({}, ["rollout.partial_rollout=true", "schedule=stale:1", NO_STALE])
-    assert r.schedule().partial_rollout is True
+    assert schedule_of(r).partial_rollout is True
 
 
 def test_fifo_sampler_rejected_for_bounded_schedules() -> None:

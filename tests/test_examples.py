@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from laminar_core.config import load_config
+from laminar_core import load_config
 from laminar_core.plugins import default_manager
+from laminar_core.plugins.resolve import schedule_of
 from laminar_core.runtime.placement import plan_placement
 from laminar_core.sim.study import sweep_points
 
@@ -20,7 +21,7 @@ def test_example_loads(path: Path) -> None:
     resolved = load_config(path)
     for _, point in sweep_points(resolved, default_manager()):
         for spec in point.cfg.study.schedules:
-            place = plan_placement(point.cfg, point.schedule(spec))
+            place = plan_placement(point.cfg, schedule_of(point, spec))
             assert place.replicas >= 1
 
 

@@ -8,9 +8,9 @@ import asyncio
 
 import pytest
 
-from laminar_core.config import load_config
+from laminar_core import load_config
 from laminar_core.interfaces import RepackPolicy
-from laminar_core.runtime.local import LocalRun, build_local_run
+from laminar_core.runtime import Run, build_local_run
 from laminar_core.sim.clock import run_virtual
 from laminar_core.types import FinishReason, Move, ReplicaState
 
@@ -32,14 +32,14 @@ class RecordingPolicy(RepackPolicy):
         return moves
 
 
-def run_schedule(overrides: list[str], schedule: str) -> tuple[LocalRun, RecordingPolicy | None]:
+def run_schedule(overrides: list[str], schedule: str) -> tuple[Run, RecordingPolicy | None]:
     resolved = load_config(None, [*overrides, f"schedule={schedule}"])
     holder: list = []
 
-    async def main() -> LocalRun:
+    async def main() -> Run:
         run = build_local_run(resolved)
         run.controller.keep_batches = True
-        if run.manager.repack_policy is not None:
+        if run.manager.repack_policy is not None and run.manager.repack_policy.active:
             rec = RecordingPolicy(run.manager.repack_policy)
             run.manager.repack_policy = rec
             holder.append(rec)
@@ -51,7 +51,7 @@ def run_schedule(overrides: list[str], schedule: str) -> tuple[LocalRun, Recordi
     return run, (holder[0] if holder else None)
 
 
-def check_accounting(run: LocalRun) -> None:
+def check_accounting(run: Run) -> None:
     """Every admitted trajectory is consumed once, or still buffered, or still in flight."""
     admitted = {
         f"g{i}-{j}"
@@ -66,7 +66,7 @@ def check_accounting(run: LocalRun) -> None:
     assert sum(map(len, parts)) == len(set().union(*parts)), "a trajectory is in two places"
     assert set().union(*parts) == admitted, "a trajectory was lost"
     steps = run.resolved.cfg.run.steps
-    assert len(consumed) == steps * run.controller.groups_per_step * 4
+    assert len(consumed) == steps * run.controller.opt.groups_per_step * 4
     # replicas hold only what the partial-response pool tracks (no leaked entry that would
     # keep a replica from ever draining); the pool may also hold trajectories between
     # replicas (mid-move, mid-update under partial rollout) when the run stopped
@@ -75,7 +75,7 @@ def check_accounting(run: LocalRun) -> None:
     assert set(held) <= set(inflight), "a replica holds a trajectory the pool does not"
 
 
-def r_trajs(run: LocalRun, step: int):
+def r_trajs(run: Run, step: int):
     return run.controller.batches[step].trajectories
 
 
@@ -123,12 +123,12 @@ def test_partial_rollout_resumes_under_new_weights(small_overrides: list[str]) -
         assert t.versions == sorted(t.versions) and t.version == t.versions[0]
 
 
-def run_with_kill(overrides: list[str], schedule: str) -> LocalRun:
+def run_with_kill(overrides: list[str], schedule: str) -> Run:
     """Kill replica r1 at the first heartbeat at which it has in-flight trajectories whose
     progress is already in the partial-response pool (a mid-generation failure)."""
     resolved = load_config(None, [*overrides, f"schedule={schedule}"])
 
-    async def main() -> LocalRun:
+    async def main() -> Run:
         run = build_local_run(resolved)
         run.controller.keep_batches = True
         slot = run.manager.by_id["r1"]
@@ -184,7 +184,7 @@ def test_hung_replica_results_are_discarded(small_overrides: list[str]) -> None:
         [*small_overrides, "rollout.partial_sync_s=0.5", "rollout.heartbeat_timeout_s=2"],
     )
 
-    async def main() -> LocalRun:
+    async def main() -> Run:
         run = build_local_run(resolved)
         run.controller.keep_batches = True
         slot = run.manager.by_id["r1"]
@@ -236,7 +236,7 @@ class CrossVersionPolicy(RepackPolicy):
 def test_manager_refuses_cross_version_moves(small_overrides: list[str]) -> None:
     resolved = load_config(None, [*small_overrides, "schedule=laminar"])
 
-    async def main() -> tuple[LocalRun, CrossVersionPolicy]:
+    async def main() -> tuple[Run, CrossVersionPolicy]:
         run = build_local_run(resolved)
         run.controller.keep_batches = True
         policy = CrossVersionPolicy()

@@ -61,9 +61,9 @@ def _config(model: Path, out: Path, *extra: str):
 
 def _kill_actors(run) -> None:
     """A crash, not a shutdown: the actors die with whatever they held."""
-    for actor in run.shared["ray"]["actors"]:
+    for actor in run.runtime.actors:
         ray.kill(actor, no_restart=True)
-    ray.util.remove_placement_group(run.shared["ray"]["pg"])
+    ray.util.remove_placement_group(run.runtime.pg)
 
 
 @pytest.fixture(scope="module")
@@ -116,17 +116,17 @@ def test_each_replica_pulls_while_the_other_generates(first_run):
 
 
 def test_replicas_load_weights_from_the_relay_actors_shared_memory(first_run):
-    from laminar_core.relay.view import SharedRelayView
+    from laminar_core.relay.remote import RemoteRelay
 
     _, _, run, _ = first_run
-    hosts = run.shared["ray"]["relays"]
-    assert len(hosts) == len(run.relays) == 1  # one node: one relay actor, one view
+    hosts = run.runtime.relays
+    assert len(hosts) == len(run.relays) == 1  # one node: one relay actor, one proxy
     view = run.relays[0]
-    assert isinstance(view, SharedRelayView) and view.version == 3
+    assert isinstance(view, RemoteRelay) and view.version == 3
     assert all(s.relay is view for s in run.manager.slots)
     # the relay actor received every version over the transport and wrote it to /dev/shm
-    root = Path(run.shared["ray"]["shm_root"])
-    shared = hosts[0].shared
+    root = Path(run.runtime.shm_root)
+    shared = hosts[0].written
     assert sorted(shared) == [1, 2, 3]
     for v, rec in shared.items():
         assert rec["path"] == str(root / "relay0" / f"v{v}.bin")
@@ -223,7 +223,7 @@ def test_checkpoint_kill_resume_continues_from_the_saved_step(first_run, resumed
     rows = _rows(run_dir)
     assert [r["step"] for r in rows] == [2, 3, 4]
     # the restored version went to the new run's relay actor, and from it to the replicas
-    assert sorted(run.shared["ray"]["relays"][0].shared) == [2, 3, 4, 5]
+    assert sorted(run.runtime.relays[0].written) == [2, 3, 4, 5]
     pulls = [f for _t, kind, _a, _d, f in run.events.events if kind == "weight_pull"]
     assert pulls and all(f["node_local"] for f in pulls)
     assert [r["weight_version"] for r in rows] == [3, 4, 5]

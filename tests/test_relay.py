@@ -254,20 +254,15 @@ def test_node_relay_commit_checks_manifest() -> None:
     assert relay.version == 1
 
 
-def test_node_relay_listeners_and_wait_newer() -> None:
-    async def main() -> list:
-        relay = NodeRelay(0, 0)
-        seen: list[int] = []
-        relay.listeners.append(seen.append)
-        waiter = asyncio.ensure_future(relay.wait_newer(1))
-        await asyncio.sleep(0)
-        commit_version(relay, 1)
-        await asyncio.sleep(0)
-        assert not waiter.done()  # 1 is not newer than 1
-        commit_version(relay, 2)
-        return [await waiter, seen]
-
-    assert run_virtual(main()) == [2, [1, 2]]
+def test_node_relay_events() -> None:
+    """A relay in the driver tells its subscribers each committed version, once, in order
+    (committed, then shared: it serves what it committed at once)."""
+    relay = NodeRelay(0, 0)
+    seen: list[tuple[str, int]] = []
+    relay.events.subscribe(lambda e: seen.append((e.kind.value, e.version)))
+    commit_version(relay, 1)
+    commit_version(relay, 2)
+    assert seen == [("committed", 1), ("shared", 1), ("committed", 2), ("shared", 2)]
 
 
 # --- the tier over the in-process transport --------------------------------------------------
@@ -281,8 +276,14 @@ def test_tier_inprocess_delivers_identical_tensors_to_every_relay() -> None:
         relays = [NodeRelay(i, node=i) for i in range(4)]
         commits: list[tuple[int, int]] = []
         for r in relays:
-            r.listeners.append(lambda v, r=r: commits.append((r.relay_id, v)))
-        tier = RelayTier(relays, lambda rank: InProcessTransport(fabric), bucket_bytes=32)
+            r.events.subscribe(
+                lambda e, r=r: (
+                    commits.append((r.relay_id, e.version)) if e.kind == "shared" else None
+                )
+            )
+        tier = RelayTier.in_process(
+            relays, lambda rank: InProcessTransport(fabric), bucket_bytes=32
+        )
         await tier.open()
         res = await tier.publish(1, named)
         versions_at_return = [r.version for r in relays]
@@ -309,7 +310,9 @@ def test_tier_successive_versions_and_dead_relay_cut_out() -> None:
     async def main():
         fabric = InProcessFabric()
         relays = [NodeRelay(i, node=i) for i in range(3)]
-        tier = RelayTier(relays, lambda rank: InProcessTransport(fabric), bucket_bytes=16)
+        tier = RelayTier.in_process(
+            relays, lambda rank: InProcessTransport(fabric), bucket_bytes=16
+        )
         await tier.open()
         await tier.publish(1, [("w", torch.full((10,), 1.0))])
         relays[1].alive = False
@@ -364,8 +367,8 @@ def test_sim_chain_commits_at_model_time(n_relays: int, k: int) -> None:
         loop = asyncio.get_running_loop()
         commit_at: dict[int, float] = {}
         for r in relays:
-            r.listeners.append(lambda v, r=r: commit_at.setdefault(r.relay_id, loop.time()))
-        tier = RelayTier(relays, lambda rank: SimTransport(cfg, fabric), chunks=k)
+            r.events.subscribe(lambda e, r=r: commit_at.setdefault(r.relay_id, loop.time()))
+        tier = RelayTier.in_process(relays, lambda rank: SimTransport(cfg, fabric), chunks=k)
         await tier.open()
         weights = [("w", torch.empty(model_bytes, dtype=torch.uint8, device="meta"))]
         res = await tier.publish(1, weights)
@@ -396,7 +399,9 @@ def test_sim_tier_picks_optimal_chunks_from_link_model() -> None:
 
     async def main():
         fabric = SimFabric()
-        tier = RelayTier([NodeRelay(i, i) for i in range(7)], lambda r: SimTransport(cfg, fabric))
+        tier = RelayTier.in_process(
+            [NodeRelay(i, i) for i in range(7)], lambda r: SimTransport(cfg, fabric)
+        )
         await tier.open()
         weights = [("w", torch.empty(model_bytes, dtype=torch.uint8, device="meta"))]
         res = await tier.publish(1, weights)
@@ -434,7 +439,7 @@ def test_publish_streams_the_export_after_the_first_version() -> None:
     async def main() -> None:
         fabric = InProcessFabric()
         relays = [NodeRelay(i, i) for i in range(3)]
-        tier = RelayTier(
+        tier = RelayTier.in_process(
             relays, lambda r: CountingTransport(fabric, pulled, seen), bucket_bytes=1024
         )
         await tier.open()
@@ -457,7 +462,7 @@ def test_publish_rejects_an_export_of_another_size_and_recovers() -> None:
     async def main() -> None:
         fabric = InProcessFabric()
         relays = [NodeRelay(i, i) for i in range(3)]
-        tier = RelayTier(relays, lambda r: InProcessTransport(fabric), bucket_bytes=1000)
+        tier = RelayTier.in_process(relays, lambda r: InProcessTransport(fabric), bucket_bytes=1000)
         await tier.open()
         await tier.publish(1, [("w", torch.zeros(1000))])  # 4000 bytes, 4 buckets
         for bad in ([("w", torch.zeros(1100))], [("w", torch.zeros(900))]):
@@ -488,7 +493,9 @@ def test_corrupt_bucket_mid_chain_keeps_last_good_version_and_never_hangs() -> N
     async def main() -> None:
         fabric = InProcessFabric()
         relays = [NodeRelay(i, i) for i in range(4)]
-        tier = RelayTier(relays, lambda r: CorruptingTransport(fabric), bucket_bytes=1000)
+        tier = RelayTier.in_process(
+            relays, lambda r: CorruptingTransport(fabric), bucket_bytes=1000
+        )
         await tier.open()
         await tier.publish(1, [("w", torch.zeros(1000))])
         await tier.publish(2, [("w", torch.ones(1000))])
@@ -504,7 +511,9 @@ def test_corrupt_bucket_mid_chain_rejected_downstream() -> None:
     async def main() -> list[int]:
         fabric = InProcessFabric()
         relays = [NodeRelay(i, i) for i in range(4)]
-        tier = RelayTier(relays, lambda r: CorruptingTransport(fabric), bucket_bytes=1000)
+        tier = RelayTier.in_process(
+            relays, lambda r: CorruptingTransport(fabric), bucket_bytes=1000
+        )
         await tier.open()
         await tier.publish(1, [("w", torch.zeros(1000))])
         await tier.publish(2, [("w", torch.ones(1000))])
@@ -591,7 +600,9 @@ def test_staged_publish_returns_before_the_push_and_delivers_the_staged_copy() -
     async def main():
         fabric = SimFabric()
         relays = [NodeRelay(i, i) for i in range(3)]
-        tier = RelayTier(relays, lambda r: SimTransport(cfg, fabric), chunks=4, stage=True)
+        tier = RelayTier.in_process(
+            relays, lambda r: SimTransport(cfg, fabric), chunks=4, stage=True
+        )
         await tier.open()
         loop = asyncio.get_running_loop()
         w = torch.full((1000,), 1.0)
@@ -620,7 +631,9 @@ def test_staged_publish_rejects_a_wrong_sized_export_before_anything_is_sent() -
     async def main() -> None:
         fabric = InProcessFabric()
         relays = [NodeRelay(i, i) for i in range(2)]
-        tier = RelayTier(relays, lambda r: InProcessTransport(fabric), chunks=2, stage=True)
+        tier = RelayTier.in_process(
+            relays, lambda r: InProcessTransport(fabric), chunks=2, stage=True
+        )
         await tier.open()
         await tier.publish(1, [("w", torch.zeros(100))])
         await tier.wait_broadcast()
@@ -657,8 +670,10 @@ def test_a_manifest_offered_before_its_receive_is_kept() -> None:
 
     async def main() -> list[int]:
         fabric = InProcessFabric()
-        hosts = [LateReceive(RelayHost(NodeRelay(i, i), InProcessTransport(fabric), i + 1))
-                 for i in range(2)]
+        hosts = [
+            LateReceive(RelayHost(NodeRelay(i, i), InProcessTransport(fabric), i + 1))
+            for i in range(2)
+        ]
         tier = RelayTier(hosts=hosts, trainer_transport=InProcessTransport(fabric), chunks=1)
         await tier.open()
         for v in (1, 2):

@@ -21,7 +21,6 @@ ray = pytest.importorskip("ray")
 from laminar_core import load_config  # noqa: E402
 from laminar_core.relay.shm import SharedWeights, relay_dir  # noqa: E402
 from laminar_core.relay.tier import RelayTier  # noqa: E402
-from laminar_core.relay.view import SharedRelayView  # noqa: E402
 from laminar_core.runtime.relay_actor import spawn_relay  # noqa: E402
 from laminar_core.testing.relay import make_weights  # noqa: E402
 from laminar_nccl.transport import TorchDistTransport  # noqa: E402
@@ -42,13 +41,11 @@ def test_relay_actors_share_versions_and_survive_relay_deaths(ray_cluster, tmp_p
         spawn_relay(cfg, i, i, i + 1, str(root), node, die_at=(2, 1) if i == 2 else None)
         for i in range(3)
     ]
-    views = [SharedRelayView(i, i, root, h.is_alive) for i, h in enumerate(hosts)]
+    views = hosts  # the driver's proxy of a relay is also what its node's replicas watch
     tier = RelayTier(hosts=hosts, trainer_transport=TorchDistTransport(), chunks=3)
-    tier.on_ready.append(lambda rank, version: views[rank - 1].advance(version))
     heard: list[list[int]] = [[] for _ in views]
-    for h, v, got in zip(hosts, views, heard):
-        h.on_committed.append(v.committed)
-        v.listeners.append(got.append)
+    for v, got in zip(views, heard):
+        v.events.subscribe(lambda e, got=got: got.append(e.version))
 
     async def main() -> None:
         await tier.open()
@@ -56,7 +53,7 @@ def test_relay_actors_share_versions_and_survive_relay_deaths(ray_cluster, tmp_p
         await tier.wait_broadcast()
         assert [v.version for v in views] == [1, 1, 1]
         for i, h in enumerate(hosts):
-            assert h.shared[1]["bytes"] == h.shared[1]["manifest_bytes"] > 0
+            assert h.written[1]["bytes"] == h.written[1]["manifest_bytes"] > 0
             _assert_shared(root, i, 1)
 
         await tier.publish(2, make_weights(2))
@@ -64,7 +61,7 @@ def test_relay_actors_share_versions_and_survive_relay_deaths(ray_cluster, tmp_p
         assert [h.is_alive() for h in hosts] == [True, True, False]
         assert [v.alive for v in views] == [True, True, False]
         # the relay before the dead one committed and shared version 2 even though
-        # forwarding it failed: its view learns it from the tier's repair round
+        # forwarding it failed: its proxy reports it shared when its drain says so
         assert [v.version for v in views] == [2, 2, 1]
         assert tier.chain_ranks == [1, 2]
 
@@ -79,7 +76,7 @@ def test_relay_actors_share_versions_and_survive_relay_deaths(ray_cluster, tmp_p
         assert tier.master_rank == 2 and tier.chain_ranks == [2]
         assert [v.version for v in views] == [2, 3, 1]
         _assert_shared(root, 1, 3)
-        # listeners heard each version once committed and once shared
+        # subscribers heard each version once committed and once shared
         assert heard == [[1, 1, 2, 2], [1, 1, 2, 2, 3, 3], [1, 1]]
         await tier.close()
         # a relay that closes deletes what it shared; the dead ones could not

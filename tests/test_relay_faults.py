@@ -34,7 +34,9 @@ from laminar_core.types import Bucket
 def tier_of(n: int, **kw) -> tuple[RelayTier, list[NodeRelay]]:
     fabric = InProcessFabric()
     relays = [NodeRelay(i, i) for i in range(n)]
-    return RelayTier(relays, lambda r: InProcessTransport(fabric), chunks=4, **kw), relays
+    return RelayTier.in_process(
+        relays, lambda r: InProcessTransport(fabric), chunks=4, **kw
+    ), relays
 
 
 def held(relay: NodeRelay) -> dict[str, torch.Tensor]:
@@ -62,7 +64,7 @@ def test_expect_layout_from_the_engine() -> None:
     tier_relays = [relay]
 
     async def main() -> None:
-        tier = RelayTier(tier_relays, lambda r: InProcessTransport(fabric))
+        tier = RelayTier.in_process(tier_relays, lambda r: InProcessTransport(fabric))
         await tier.open()
         with pytest.raises(WeightIntegrityError, match="names differ"):
             await tier.publish(1, [("v", torch.zeros(4))])

@@ -1,6 +1,6 @@
 """``SharedWeights``: a replica loads exactly the version it was told to from its node relay's
-shared memory; the driver-side ``SharedRelayView`` announces versions and hands out those
-references."""
+shared memory; the driver's proxy of a remote relay (``RemoteRelay``) announces versions on
+its event stream and hands out those references."""
 
 from __future__ import annotations
 
@@ -10,8 +10,10 @@ import pickle
 import pytest
 import torch
 
+from laminar_core.relay.events import RelayEventKind
 from laminar_core.relay.node import NodeRelay
 from laminar_core.relay.packing import BucketPacker
+from laminar_core.relay.remote import RemoteRelay
 from laminar_core.relay.shm import (
     SharedVersionGone,
     SharedVersionStore,
@@ -19,7 +21,22 @@ from laminar_core.relay.shm import (
     relay_dir,
     remove_shared,
 )
-from laminar_core.relay.view import SharedRelayView
+
+COMMITTED, SHARED = RelayEventKind.COMMITTED, RelayEventKind.SHARED
+
+
+class _Unreachable(RemoteRelay):
+    """A remote relay's proxy with no channel: only its node-relay side is exercised."""
+
+    def __init__(self, relay_id: int, node: int, root, alive: list[bool]) -> None:
+        super().__init__(relay_id, node, str(root))
+        self.up = alive
+
+    async def _call(self, method, *args):
+        raise AssertionError(f"no relay behind this proxy ({method})")
+
+    def _alive(self) -> bool:
+        return self.up[0]
 
 
 def weights(version: int) -> list[tuple[str, torch.Tensor]]:
@@ -108,47 +125,42 @@ def test_remove_shared_deletes_the_relay_and_an_empty_root(tmp_path) -> None:
     assert_weights(mapped, 1)
 
 
-def test_view_announces_versions_and_hands_out_references(tmp_path) -> None:
-    async def main() -> None:
-        alive = [True]
-        view = SharedRelayView(2, 1, tmp_path, lambda: alive[0])
-        heard: list[int] = []
-        view.listeners.append(heard.append)
-        assert view.version == -1 and view.alive
-        with pytest.raises(LookupError):
-            view.weights()
-        waiter = asyncio.ensure_future(view.wait_newer(0))
-        await asyncio.sleep(0)
-        view.advance(1)
-        assert await asyncio.wait_for(waiter, 1) == 1
-        view.advance(1)  # repeated and older announcements are ignored
-        view.advance(0)
-        view.advance(3)
-        assert heard == [1, 3] and view.version == 3
-        share(tmp_path, 2, [3])
-        version, sw = view.weights()  # what the manager's pull hands the replica
-        assert version == 3 and sw == SharedWeights(str(tmp_path), 2, 3)
-        assert_weights(dict(sw), 3)
-        # committed at the relay, still being written: listeners hear it (replicas stop
-        # admitting), but replicas keep loading the newest shared version until it lands
-        view.committed(5)
-        view.committed(4)
-        assert heard == [1, 3, 5] and view.version == 3 and view.weights()[0] == 3
-        view.advance(5)
-        view.committed(5)
-        assert heard == [1, 3, 5, 5] and view.version == 5
-        alive[0] = False
-        assert not view.alive
-
-    asyncio.run(main())
+def test_remote_relay_announces_versions_and_hands_out_references(tmp_path) -> None:
+    alive = [True]
+    view = _Unreachable(2, 1, tmp_path, alive)
+    heard: list[tuple[str, int]] = []
+    view.events.subscribe(lambda e: heard.append((e.kind.value, e.version)))
+    assert view.version == -1 and view.alive
+    with pytest.raises(LookupError):
+        view.weights()
+    view.events.emit(SHARED, 1)
+    view.events.emit(SHARED, 1)  # repeated and older announcements are ignored
+    view.events.emit(SHARED, 0)
+    view.events.emit(SHARED, 3)
+    assert [v for k, v in heard if k == "shared"] == [1, 3] and view.version == 3
+    share(tmp_path, 2, [3])
+    sw = view.weights()  # what the manager's pull hands the replica
+    assert sw.version == 3 and sw == SharedWeights(str(tmp_path), 2, 3)
+    assert_weights(dict(sw), 3)
+    # committed at the relay, still being written: subscribers hear it (replicas stop
+    # admitting), but replicas keep loading the newest shared version until it lands
+    view.events.emit(COMMITTED, 5)
+    view.events.emit(COMMITTED, 4)
+    assert [v for k, v in heard if k == "committed"] == [1, 3, 5]
+    assert view.version == 3 and view.weights().version == 3
+    view.events.emit(SHARED, 5)
+    view.events.emit(COMMITTED, 5)
+    assert heard[-1] == ("shared", 5) and view.version == 5
+    alive[0] = False
+    assert not view.alive
 
 
 def test_a_driver_side_relay_hands_out_its_buckets() -> None:
     async def main() -> None:
         relay = NodeRelay(0, 0)
         commit(relay, 4)
-        version, tensors = relay.weights()
-        assert version == 4
-        assert_weights(dict(tensors), 4)
+        got = relay.weights()
+        assert got.version == 4
+        assert_weights(dict(got), 4)
 
     asyncio.run(main())

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from laminar_core.config import resolve
-from laminar_core.interfaces import BuildContext, ReplicaFailure
+from laminar_core.interfaces import BuildContext, ModelOnly, ReplicaFailure
+from laminar_core.plugins.resolve import resolve
 from laminar_core.sim.clock import SimulationDeadlock, run_virtual
 from laminar_core.sim.config import FailureSpec, SimRolloutConfig
 from laminar_core.sim.lengths import LengthFileError, LengthModel, read_histogram
@@ -314,11 +314,11 @@ def test_update_weights_with_requests_in_flight_raises() -> None:
         pending = asyncio.ensure_future(eng.generate(req(1)))
         await asyncio.sleep(0.1)
         with pytest.raises(RuntimeError, match="in flight"):
-            await eng.update_weights(1, None)
+            await eng.update_weights(ModelOnly(1))
         assert (await eng.stats()).version == 0
         await pending
         t0 = now()
-        await eng.update_weights(1, None)
+        await eng.update_weights(ModelOnly(1))
         return now() - t0, (await eng.stats()).version
 
     load_time, version = run_virtual(main())

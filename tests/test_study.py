@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from laminar_core.config import load_config
+from laminar_core import load_config
 from laminar_core.plugins import default_manager
 from laminar_core.sim.study import simulate_schedule, sweep_points
 
@@ -20,8 +20,8 @@ EXACT = [
     "cluster.gpus_per_node=2",
     "data.prompts_per_step=2",
     "data.samples_per_prompt=2",
-    "data.prompt_min_tokens=10",
-    "data.prompt_max_tokens=10",
+    "data.min_prompt_tokens=10",
+    "data.max_prompt_tokens=10",
     "rollout.max_concurrent=16",
     "rollout.max_tokens=1000",
     "rollout.sim.decode_step_s=0.01",

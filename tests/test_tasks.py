@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from laminar_core import ConfigError, load_config
 from laminar_core.cli import main
-from laminar_core.config import ConfigError, load_config
 from laminar_core.plugins import default_manager
 from laminar_core.runtime.local import build_local_run
 from laminar_core.tasks import (

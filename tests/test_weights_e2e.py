@@ -4,12 +4,11 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable, Iterator
+from collections.abc import AsyncIterator
 
 import torch
 
-from laminar_core import BuildContext, hookimpl
-from laminar_core.config import load_config
+from laminar_core import BuildContext, TensorWeights, WeightsRef, hookimpl, load_config
 from laminar_core.plugins import PluginManager
 from laminar_core.runtime.local import build_local_run
 from laminar_core.sim.clock import run_virtual
@@ -34,8 +33,9 @@ class TensorTrainer(SimTrainerEngine):
     def from_config(cls, ctx: BuildContext) -> TensorTrainer:
         return cls(ctx.options, ctx.gpus, 1000)
 
-    def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        yield from weights_for(self.steps).items()  # steps == the version being published
+    async def export_weights(self) -> AsyncIterator[tuple[str, torch.Tensor]]:
+        for item in weights_for(self.steps).items():  # steps == the version being published
+            yield item
 
 
 class RecordingEngine(SimRolloutEngine):
@@ -48,10 +48,11 @@ class RecordingEngine(SimRolloutEngine):
         base = SimRolloutEngine.from_config(ctx)
         return cls(base.replica_id, base.cfg, base.lengths, index=ctx.index)
 
-    async def update_weights(self, version: int, named_tensors: Iterable | None) -> None:
-        got = {name: t.clone() for name, t in (named_tensors or [])}
-        self.loaded.setdefault(self.replica_id, {})[version] = got
-        await super().update_weights(version, None)
+    async def update_weights(self, weights: WeightsRef) -> None:
+        assert isinstance(weights, TensorWeights), weights  # relays in the driver: tensors
+        got = {name: t.clone() for name, t in weights}
+        self.loaded.setdefault(self.replica_id, {})[weights.version] = got
+        await super().update_weights(weights)
 
 
 RecordingEngine.Options = SimRolloutEngine.Options

@@ -1,14 +1,25 @@
 """Algorithm settings: which advantage estimator, off-policy correction and loss shape to use.
 
-``AlgorithmConfig`` is embedded in the OmegaConf structured config, so it holds only plain
-types with defaults. This module deliberately does not import torch: loading and validating a
-config must not pay for it.
+``AlgorithmConfig`` (the ``algorithm:`` section) lives with the rest of the schema in
+``config.schema``; the choices it accepts and their validation live here. This module
+deliberately does not import torch: loading and validating a config must not pay for it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
+
+from laminar_core.config.schema import AlgorithmConfig
+
+__all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "KL_ESTIMATORS",
+    "LOSS_AGGREGATIONS",
+    "OFF_POLICY_CORRECTIONS",
+    "AlgorithmConfig",
+    "unknown_choice",
+    "validate_algorithm",
+]
 
 # Names accepted by ``compute_advantages`` (see ``advantages.py``).
 ADVANTAGE_ESTIMATORS: tuple[str, ...] = ("grpo", "dr_grpo", "rloo", "reinforce_pp")
@@ -22,35 +33,6 @@ LOSS_AGGREGATIONS: tuple[str, ...] = (
 )
 # Names accepted by ``kl_penalty`` (see ``losses.py``).
 KL_ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3")
-
-
-@dataclass
-class AlgorithmConfig:
-    """RL objective settings (the ``algorithm:`` section of the run config).
-
-    Attributes:
-        advantage: outcome-reward advantage estimator, one of ``ADVANTAGE_ESTIMATORS``.
-        clip_low: PPO lower clip epsilon; the ratio is clipped at ``1 - clip_low``.
-        clip_high: PPO upper clip epsilon ("clip-higher", DAPO); clipped at ``1 + clip_high``.
-        off_policy: off-policy correction, one of ``OFF_POLICY_CORRECTIONS``.
-        is_cap: cap ``rho`` on the per-token importance weight used by ``tis`` and
-            ``decoupled``. ``None`` means uncapped, which only ``decoupled`` accepts.
-        kl_coef: weight of the KL penalty to the reference policy; 0 disables it (and then
-            no reference log-probs are needed).
-        kl_estimator: per-token KL estimator, one of ``KL_ESTIMATORS``.
-        loss_agg: how per-token losses are reduced, one of ``LOSS_AGGREGATIONS``.
-        adv_eps: epsilon added to the std in the std-normalising estimators.
-    """
-
-    advantage: str = "grpo"
-    clip_low: float = 0.2
-    clip_high: float = 0.28
-    off_policy: str = "none"
-    is_cap: float | None = 2.0
-    kl_coef: float = 0.0
-    kl_estimator: str = "k3"
-    loss_agg: str = "token_mean"
-    adv_eps: float = 1e-6
 
 
 def unknown_choice(field: str, value: Any, known: tuple[str, ...]) -> ValueError:

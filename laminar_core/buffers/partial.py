@@ -50,3 +50,7 @@ class PartialPool:
 
     def ids(self) -> list[str]:
         return list(self._items)
+
+    def oldest_version(self) -> int | None:
+        """The oldest weight version any in-flight trajectory runs on (None: none)."""
+        return min((item.version for item in self._items.values()), default=None)

@@ -55,6 +55,10 @@ class PromptPool:
     ``state_dict()`` / ``load_state_dict()`` capture the position so a resumed run continues
     with the very next prompt; prompts handed out but never consumed (in flight when the run
     stopped) are passed as ``pending`` and handed out again first, under the same index.
+
+    ``reissue(indices)`` hands prompts out again within a run (their group was dropped, or its
+    update was lost with a failed trainer): first, under the same prompt index and a new
+    group id (``g12.1``, ``g12.2``: each trajectory id is accepted once per run).
     """
 
     def __init__(
@@ -76,6 +80,7 @@ class PromptPool:
         self._epoch = -1
         self._order: list[int] = []
         self._reissue: deque[int] = deque()
+        self._retries: dict[int, int] = {}  # prompt index -> times handed out again in this run
 
     def _order_for(self, epoch: int) -> list[int]:
         if epoch != self._epoch:
@@ -97,7 +102,15 @@ class PromptPool:
             self.position += 1
         epoch, k = divmod(i, len(self.dataset))
         row = self._order_for(epoch)[k]
-        return PromptGroup(i, f"g{i}", self.dataset[row], self.samples)
+        retry = self._retries.get(i, 0)
+        group_id = f"g{i}.{retry}" if retry else f"g{i}"
+        return PromptGroup(i, group_id, self.dataset[row], self.samples)
+
+    def reissue(self, indices: Iterable[int]) -> None:
+        """Hand ``indices`` out again, before any new prompt, under new group ids."""
+        for i in indices:
+            self._retries[i] = self._retries.get(i, 0) + 1
+            self._reissue.append(i)
 
     def state_dict(self, pending: Iterable[int] = ()) -> dict:
         """The position, plus ``pending``: indices handed out whose groups were not consumed."""

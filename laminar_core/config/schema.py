@@ -2,14 +2,15 @@
 
 Engine choice is a string (``rollout.engine=sim``); the engine's own options live under a
 key named after it (``rollout.sim: {...}``) and are validated by the plugin's ``Options``.
+This module is the schema only: it imports nothing else of Laminar's, so any part may read
+it. Parsing is ``config.loader``; resolving engine names and options against the installed
+plugins is ``plugins.resolve``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
-
-from laminar_core.algorithms.config import AlgorithmConfig
 
 
 @dataclass
@@ -20,6 +21,7 @@ class RunConfig:
     out_dir: str = "runs"
     checkpoint_every: int = 0  # steps between checkpoints; 0: only at the end; -1: never
     resume: str = ""  # a run directory (or one of its checkpoints) to continue from
+    checkpoint_on_stop: bool = True  # Ctrl-C / SIGTERM: save a checkpoint before stopping
 
 
 @dataclass
@@ -35,8 +37,10 @@ class DataConfig:
     samples_per_prompt: int = 16
     source: str = "synthetic"
     size: int = 100_000  # synthetic dataset rows
-    prompt_min_tokens: int = 128
-    prompt_max_tokens: int = 1024
+    # Prompt lengths in tokens: real prompts longer than ``max_prompt_tokens`` are skipped
+    # and counted; synthetic (simulator) prompts are drawn uniformly from [min, max].
+    min_prompt_tokens: int = 128
+    max_prompt_tokens: int = 2048
     shuffle: bool = True
     # Real prompts (laminar_core.tasks): source jsonl/parquet read ``path``; source task
     # generates rows with the registered task ``task`` called with ``task_options``.
@@ -44,7 +48,6 @@ class DataConfig:
     prompt_key: str = "prompt"  # the column/key holding the prompt text
     task: str = "repeat"
     task_options: dict[str, Any] = field(default_factory=dict)
-    max_prompt_tokens: int = 2048  # longer prompts are skipped and counted
 
 
 @dataclass
@@ -65,9 +68,16 @@ class RewardConfig:
 
 @dataclass
 class ClusterConfig:
+    """How many devices each role gets: what the run is, wherever it runs.
+
+    A trainer rank is one GPU and a replica ``gpus_per_replica`` GPUs (its tensor-parallel
+    size). On a machine without GPUs (``runtime.device: cpu``) each "GPU" is a process slot:
+    ``trainer_gpus: 2`` is two trainer ranks.
+    """
+
     gpus: int = 16
     gpus_per_node: int = 8
-    trainer_gpus: int = 8  # the rest run rollout replicas (disaggregated placement)
+    trainer_gpus: int = 8  # trainer ranks; the rest run rollout replicas (disaggregated)
     gpus_per_replica: int = 1  # tensor-parallel size of one rollout replica
     colocate_sync: bool = True  # sync time-shares all GPUs between rollout and training (verl)
 
@@ -83,12 +93,19 @@ class RolloutConfig:
     heartbeat_s: float = 1.0
     heartbeat_timeout_s: float = 10.0
     partial_sync_s: float = 5.0  # refresh the partial-response pool; 0 = only on abort
+    # A failed replica is re-initialised in place (runtimes that host replicas apart from
+    # the driver); after max_restarts failures within restart_window_s it is evicted.
+    max_restarts: int = 3
+    restart_window_s: float = 600.0
 
 
 @dataclass
 class TrainerConfig:
     engine: str = "sim"
     mini_batches: int = 16
+    # A dead rank (or a collective that timed out) restarts the trainer group from the
+    # latest checkpoint while rollouts go on; more than max_restarts stops the run.
+    max_restarts: int = 2
 
 
 @dataclass
@@ -105,6 +122,9 @@ class RelayConfig:
     max_chunks: int = 4096  # upper bound on k*
     shm_dir: str = "/dev/shm/laminar"  # where relays share versions with their node's rollouts
     timeout_s: float = 600.0  # a broadcast (or repair) that takes longer is called off
+    # No replica could receive a new version for this long (every relay dead and not coming
+    # back): the run stops rather than training on ever older data. 0: never.
+    max_unavailable_s: float = 300.0
     # Real weights: copy each version into host buffers and let the trainer resume at once
     # (its stall is that copy; the push to the master runs in the background). false: the
     # trainer waits until the master relay holds the version (no extra host copy).
@@ -123,6 +143,11 @@ class RepackConfig:
 class BufferConfig:
     sampler: str = "auto"  # auto: the schedule's own (fifo for laminar, by_batch otherwise)
     max_ahead_batches: float = 4.0  # laminar: outstanding groups <= this many steps' worth
+    # A group older than this many versions when the trainer would take it is not trained
+    # on (null: no bound): ``drop`` discards it and hands its prompt out again; ``wait``
+    # keeps the trainer from running ahead of its rollouts by more than the bound.
+    max_staleness: int | None = 8
+    stale_policy: str = "drop"
 
 
 @dataclass
@@ -139,17 +164,38 @@ class RuntimeConfig:
     ``local``: every component is a plain object in the driver (simulated engines, tests).
     ``ray``: trainer ranks and rollout replicas are Ray actors placed with a placement group;
     ``address`` empty starts a local cluster, ``auto`` or ``ray://host:port`` joins one.
+    How many ranks and replicas, and the GPUs of each, is ``cluster.*``; what is here is how
+    they are hosted: the device kind (``auto``: GPUs when the Ray cluster has any) and the
+    CPUs reserved per actor.
     """
 
     kind: str = "local"
     address: str = ""
+    device: str = "auto"  # auto | cpu | cuda
+    # Follow the Ray cluster: a node that joins gets a relay and replicas, one that leaves
+    # is evicted. Fixed-size runs (false) are the default.
+    elastic: bool = False
     num_cpus: int = 0  # local cluster only; 0: enough logical CPUs for every actor
     cpus_per_trainer: float = 1.0
-    gpus_per_trainer: float = 0.0
     cpus_per_replica: float = 1.0
-    gpus_per_replica: float = 0.0
     placement_strategy: str = "PACK"
     start_timeout_s: float = 300.0  # per actor: loading a model, starting an engine
+
+
+@dataclass
+class WandbConfig:
+    """Weights & Biases: every metrics row logged per step, next to TensorBoard.
+
+    Off while ``project`` is empty. ``mode``: ``online`` (needs ``wandb login``),
+    ``offline`` (no network or account: files under ``RUN_DIR/wandb/``, upload later with
+    ``wandb sync``) or ``disabled``. Needs the ``wandb`` package (``pip install wandb``).
+    """
+
+    project: str = ""
+    entity: str = ""  # team or user; empty: the account's default
+    mode: str = "online"
+    name: str = ""  # empty: the run directory's name
+    tags: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -157,6 +203,36 @@ class TelemetryConfig:
     events: bool = True  # keep the event timeline (Chrome trace) in memory
     progress: bool = True  # console line per step
     tensorboard: bool = True  # RUN_DIR/tensorboard/ event files (needs the tensorboard package)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+
+@dataclass
+class AlgorithmConfig:
+    """RL objective settings (the ``algorithm:`` section of the run config).
+
+    Attributes:
+        advantage: outcome-reward advantage estimator, one of ``ADVANTAGE_ESTIMATORS``.
+        clip_low: PPO lower clip epsilon; the ratio is clipped at ``1 - clip_low``.
+        clip_high: PPO upper clip epsilon ("clip-higher", DAPO); clipped at ``1 + clip_high``.
+        off_policy: off-policy correction, one of ``OFF_POLICY_CORRECTIONS``.
+        is_cap: cap ``rho`` on the per-token importance weight used by ``tis`` and
+            ``decoupled``. ``None`` means uncapped, which only ``decoupled`` accepts.
+        kl_coef: weight of the KL penalty to the reference policy; 0 disables it (and then
+            no reference log-probs are needed).
+        kl_estimator: per-token KL estimator, one of ``KL_ESTIMATORS``.
+        loss_agg: how per-token losses are reduced, one of ``LOSS_AGGREGATIONS``.
+        adv_eps: epsilon added to the std in the std-normalising estimators.
+    """
+
+    advantage: str = "grpo"
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    off_policy: str = "none"
+    is_cap: float | None = 2.0
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    loss_agg: str = "token_mean"
+    adv_eps: float = 1e-6
 
 
 @dataclass
@@ -183,4 +259,14 @@ ENGINE_SECTIONS = {
     "rollout": ("engine", "rollout"),
     "trainer": ("engine", "trainer"),
     "relay": ("transport", "transport"),
+}
+
+# Keys that were renamed or merged: the error for an old key names its replacement.
+RENAMED = {
+    "data.prompt_min_tokens": "data.min_prompt_tokens",
+    "data.prompt_max_tokens": "data.max_prompt_tokens (one bound for real and synthetic prompts)",
+    "runtime.gpus_per_trainer": (
+        "cluster.trainer_gpus (a trainer rank is one GPU) and runtime.device (cpu|cuda|auto)"
+    ),
+    "runtime.gpus_per_replica": "cluster.gpus_per_replica and runtime.device (cpu|cuda|auto)",
 }

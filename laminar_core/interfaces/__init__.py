@@ -3,18 +3,37 @@
 from laminar_core.interfaces.build import BuildContext, build
 from laminar_core.interfaces.repack import RepackPolicy
 from laminar_core.interfaces.rollout import ReplicaFailure, RolloutEngine
-from laminar_core.interfaces.trainer import TrainerContext, TrainerEngine
+from laminar_core.interfaces.trainer import (
+    TrainerContext,
+    TrainerEngine,
+    TrainerFailure,
+    iterate_in_thread,
+)
 from laminar_core.interfaces.transport import Alloc, TransportError, WeightTransport
+from laminar_core.interfaces.weights import (
+    ModelOnly,
+    SharedVersionGone,
+    SharedWeights,
+    TensorWeights,
+    WeightsRef,
+)
 
 __all__ = [
     "Alloc",
     "BuildContext",
+    "ModelOnly",
     "RepackPolicy",
     "ReplicaFailure",
     "RolloutEngine",
+    "SharedVersionGone",
+    "SharedWeights",
+    "TensorWeights",
     "TrainerContext",
     "TrainerEngine",
+    "TrainerFailure",
     "TransportError",
     "WeightTransport",
+    "WeightsRef",
     "build",
+    "iterate_in_thread",
 ]

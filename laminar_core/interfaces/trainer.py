@@ -3,13 +3,23 @@
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterator
+import asyncio
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from laminar_core.types import TrainBatch
+
+
+class TrainerFailure(RuntimeError):
+    """A trainer rank is gone, or a collective timed out: the group cannot go on as it is.
+
+    Raised by a trainer group (``loop.trainer_group``) or by an engine whose collective
+    timed out; the controller restarts the group from the latest checkpoint (up to
+    ``trainer.max_restarts`` times) while the rollouts keep generating.
+    """
 
 
 @dataclass
@@ -37,8 +47,11 @@ class TrainerEngine(abc.ABC):
        policy's (or proximal) log-probs, then ``await train_step(batch)`` which returns a
        metrics dict. The objective comes from ``laminar_core.algorithms``: engines compute
        logits and log-probs, core defines the loss.
-    3. After a step: ``export_weights()`` yields ``(name, tensor)`` in the *rollout's* naming
-       and layout, in buckets of bounded size, so peak memory stays bounded.
+    3. After a step: ``async for name, tensor in export_weights()`` -- full tensors in the
+       *rollout's* naming and layout, produced piece by piece so peak memory stays bounded.
+       Collective: every rank iterates it in lock-step (gathers need them all); the runtime
+       publishes rank 0's tensors and drops the others'. A tensor may be reused by the
+       engine once the consumer asked for the next one.
     4. Any time between steps: ``await save_checkpoint(dir)`` / ``await load_checkpoint(dir)``.
     5. ``await close()`` once.
     """
@@ -55,8 +68,11 @@ class TrainerEngine(abc.ABC):
         """One optimiser update (all mini-batches of the batch); returns scalar metrics."""
 
     @abc.abstractmethod
-    def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Full tensors in the rollout's naming, bucket by bucket."""
+    def export_weights(self) -> AsyncIterator[tuple[str, torch.Tensor]]:
+        """Full tensors in the rollout's naming, piece by piece (an async generator).
+
+        Blocking work (all-gathers, device copies) must not block the event loop: run it
+        off the loop (``asyncio.to_thread``), e.g. with ``iterate_in_thread``."""
 
     @abc.abstractmethod
     async def save_checkpoint(self, directory: str) -> None: ...
@@ -66,3 +82,18 @@ class TrainerEngine(abc.ABC):
 
     @abc.abstractmethod
     async def close(self) -> None: ...
+
+
+async def iterate_in_thread(
+    items: Iterable[tuple[str, torch.Tensor]],
+) -> AsyncIterator[tuple[str, torch.Tensor]]:
+    """An async iterator over ``items`` whose every step runs on a worker thread: the
+    simplest ``export_weights`` for an engine with a blocking (e.g. collective) generator.
+    Steps run one at a time, in order, so a generator that runs collectives stays in step."""
+    it = iter(items)
+
+    def step() -> tuple[str, torch.Tensor] | None:
+        return next(it, None)
+
+    while (item := await asyncio.to_thread(step)) is not None:
+        yield item

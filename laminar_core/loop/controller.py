@@ -1,26 +1,54 @@
 """The controller: the driver's step loop.
 
 Per step: ask the experience buffer for a batch (the time spent waiting is trainer idle
-time), run the trainer group on it, publish the new version through the relay tier (the
-time until the master relay holds it is the trainer's weight-sync stall), tell the rollout
-manager, write one metrics row.
+time; groups past ``buffer.max_staleness`` are dropped and their prompts handed out again),
+run the trainer group on it, publish the new version through the relay tier (the time until
+the master relay holds it is the trainer's weight-sync stall), tell the rollout manager,
+write one metrics row.
+
+Recovery: a trainer group that fails (``TrainerFailure``: a rank died, a collective timed
+out) is restarted by the runtime and restored from the latest checkpoint while the rollouts
+keep generating; the prompts it had trained on since that checkpoint are handed out again, so
+each prompt still contributes to the final model exactly once. A relay tier that cannot
+deliver any new version for ``relay.max_unavailable_s`` stops the run with the cause.
 """
 
 from __future__ import annotations
 
 import asyncio
-import inspect
+import logging
+import signal
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from laminar_core.buffers import ExperienceBuffer
-from laminar_core.interfaces import TrainerEngine
+from laminar_core.interfaces import TrainerFailure
 from laminar_core.loop import checkpoint as ckpt
 from laminar_core.loop.manager import RolloutManager
-from laminar_core.relay.tier import RelayTier
+from laminar_core.loop.trainer_group import TrainerGroup
+from laminar_core.relay.protocol import RelayUnavailable
+from laminar_core.relay.tier import PublishResult, RelayTier
 from laminar_core.telemetry import EventLog, MetricsWriter
-from laminar_core.types import TrainBatch
+from laminar_core.types import Group, TrainBatch
+
+log = logging.getLogger(__name__)
+
+# Stop the trainer group and start a new one, set up (the runtime's ``restart_trainer``).
+RestartTrainerFn = Callable[[], Awaitable[TrainerGroup]]
+
+
+@dataclass
+class ControllerOptions:
+    groups_per_step: int
+    needs_logprobs: bool = False  # the algorithm needs the current policy's log-probs
+    checkpoint_every: int = 0  # steps between checkpoints; 0: only at the end; -1: never
+    checkpoint_on_stop: bool = True  # a stop request (SIGTERM, Ctrl-C) saves one first
+    max_staleness: int | None = None  # groups older than this are not trained on
+    stale_policy: str = "drop"  # drop: hand the prompt out again; wait: see _sample
+    max_trainer_restarts: int = 2
+    max_unavailable_s: float = 0.0  # no version delivered for this long: stop (0: never)
 
 
 @dataclass
@@ -38,137 +66,165 @@ class StepRecord:
     reward_mean: float | None = None
 
 
+class StopRequested(Exception):
+    """A stop was asked for (SIGTERM, Ctrl-C): the run ends cleanly after a checkpoint."""
+
+
 class Controller:
     def __init__(
         self,
-        trainers: list[TrainerEngine],
+        trainer: TrainerGroup,
         manager: RolloutManager,
         buffer: ExperienceBuffer,
-        relays: RelayTier,
-        groups_per_step: int,
+        tier: RelayTier,
+        options: ControllerOptions,
         metrics: MetricsWriter | None = None,
         events: EventLog | None = None,
-        needs_logprobs: bool = False,
-        keep_batches: bool = False,
         run_dir: Path | None = None,
-        checkpoint_every: int = 0,
+        restart_trainer: RestartTrainerFn | None = None,
     ) -> None:
-        if not trainers:
-            raise ValueError("the controller needs at least one trainer rank")
-        self.trainers = trainers
+        self.trainer = trainer
         self.manager = manager
         self.buffer = buffer
-        self.relays = relays
-        self.groups_per_step = groups_per_step
+        self.tier = tier
+        self.opt = options
         self.metrics = metrics or MetricsWriter(None)
         self.events = events or EventLog(enabled=False)
-        self.needs_logprobs = needs_logprobs
+        self.run_dir = run_dir
+        self.restart_trainer = restart_trainer
         self.records: list[StepRecord] = []
         self.batches: list[TrainBatch] = []  # consumed batches, kept only with keep_batches
-        self.keep_batches = keep_batches
-        self.step = 0
+        self.keep_batches = False
+        self.step = 0  # steps the trainer's current weights went through, as the loop counts
+        self.version = 0  # the newest version published (versions only grow)
+        self.held_version = 0  # the version the trainer's weights were published as
+        self.batches_taken = 0  # batches taken from the buffer (lost ones too): the next tag
         self.t_start = 0.0
-        self.run_dir = run_dir
-        self.checkpoint_every = checkpoint_every
-        self.consumed_prompts: set[int] = set()  # prompt indices whose groups were trained on
+        self.consumed_prompts: set[int] = set()  # prompt indices trained into the weights
+        self.trainer_restarts = 0
+        self.stale_dropped = 0  # groups not trained on: older than buffer.max_staleness
+        self._since_checkpoint: list[int] = []  # prompts trained since the last checkpoint
         self._republish = False  # after a restore: replicas must get the restored weights
+        self._unavailable_since: float | None = None  # publishes failing since then
+        self._unavailable_why = ""
+        self._stop = asyncio.Event()
 
-    async def _export(self):
-        """Rank 0's weights; a proxy over remote ranks exports asynchronously.
-
-        An export that arrived whole (a list: a remote trainer's, through Ray) is handed to
-        the tier as a callable, so a master relay that dies mid-push is replaced and the
-        version replayed to the new master instead of failing the step.
-        """
-        exported = self.trainers[0].export_weights()
-        exported = await exported if inspect.isawaitable(exported) else exported
-        if isinstance(exported, list | tuple):
-            return lambda: exported
-        return exported
+    # --- checkpoints ---------------------------------------------------------------------------
 
     async def save_checkpoint(self) -> Path:
-        """Trainer state on every rank, then the loop's state, then the ``latest`` marker."""
+        """Trainer state on every rank, then the loop's state, then the ``latest`` marker
+        (atomically: ``loop.checkpoint``)."""
         assert self.run_dir is not None, "checkpoints need a run directory"
-        d = ckpt.checkpoint_dir(self.run_dir, self.step)
-        d.mkdir(parents=True, exist_ok=True)
-        await asyncio.gather(*(t.save_checkpoint(str(d / ckpt.TRAINER_DIR)) for t in self.trainers))
+        final = ckpt.checkpoint_dir(self.run_dir, self.step)
+        tmp = ckpt.begin(final)
+        (tmp / ckpt.TRAINER_DIR).mkdir()
+        await self.trainer.save_checkpoint(str(tmp / ckpt.TRAINER_DIR))
         prompts = self.manager.prompts
         pending = set(range(prompts.position)) - self.consumed_prompts
-        ckpt.write_loop_state(
-            d,
-            {"step": self.step, "prompts": prompts.state_dict(pending=pending)},
-        )
-        ckpt.mark_latest(d)
+        state = {
+            "step": self.step,
+            "version": self.held_version,
+            "prompts": prompts.state_dict(pending=pending),
+        }
+        ckpt.commit(tmp, final, state)
+        self._since_checkpoint = []
         self.events.record(
             asyncio.get_running_loop().time(), "checkpoint", "trainer", step=self.step
         )
-        return d
+        return final
 
     async def restore(self, path: str | Path) -> Path:
         """Continue from a checkpoint (or a run directory's latest): trainer state, step,
         prompt position; the restored weights are published before rollouts start."""
         d = ckpt.find_checkpoint(path)
         state = ckpt.read_loop_state(d)
-        await asyncio.gather(*(t.load_checkpoint(str(d / ckpt.TRAINER_DIR)) for t in self.trainers))
+        try:
+            await self.trainer.load_checkpoint(str(d / ckpt.TRAINER_DIR))
+        except (FileNotFoundError, ValueError, RuntimeError, KeyError) as e:
+            raise ckpt.CheckpointError(
+                f"checkpoint {d} is damaged: the trainer could not load it "
+                f"({type(e).__name__}: {e}); resume from an earlier checkpoint"
+            ) from e
         self.step = int(state["step"])
+        self.version = self.held_version = int(state.get("version", self.step))
+        self.batches_taken = self.step
         self.manager.prompts.load_state_dict(state["prompts"])
         self.manager.resume_at(self.step)
-        self._republish = self.step > 0
+        self._republish = self.version > 0
         return d
 
+    # --- the loop ------------------------------------------------------------------------------
+
+    def request_stop(self) -> None:
+        """End the run after the current step (a checkpoint first, if configured)."""
+        self._stop.set()
+
+    @property
+    def stop_requested(self) -> bool:
+        return self._stop.is_set()
+
     async def run(self, steps: int) -> list[StepRecord]:
-        """Train until ``steps`` steps are done (counting from ``self.step``)."""
+        """Train until ``steps`` steps are done (counting from ``self.step``) or a stop is
+        requested (``request_stop``: SIGTERM, Ctrl-C); a stopped run saves a checkpoint
+        first (``run.checkpoint_on_stop``)."""
         loop = asyncio.get_running_loop()
-        await self.relays.open()
+        await self.tier.open()
         if self._republish:
-            await self.relays.publish(self.step, await self._export())
+            await self.trainer.publish(self.version, self.tier)
             # nothing runs yet: let every relay hold the restored version, so no replica
             # starts generating with the weights it loaded from disk
-            await self.relays.wait_broadcast()
+            await self.tier.wait_broadcast()
             self._republish = False
         await self.manager.start()
         # wall_seconds count from here: engines started (vLLM start-up is not loop time)
         self.t_start = loop.time()
         try:
-            while self.step < steps:
-                await self._one_step(loop)
-                every = self.checkpoint_every
+            while self.step < steps and not self._stop.is_set():
+                try:
+                    if not await self._one_step(loop):
+                        continue
+                except StopRequested:
+                    break
+                every = self.opt.checkpoint_every
                 if self.run_dir is not None and (
                     (every > 0 and self.step % every == 0) or (every >= 0 and self.step == steps)
                 ):
                     await self.save_checkpoint()
+            if self._stop.is_set() and self.run_dir is not None and self.opt.checkpoint_on_stop:
+                log.warning("stop requested: saving a checkpoint at step %s", self.step)
+                await self.save_checkpoint()
         finally:
             await self.manager.stop()
-            await self.relays.close()
+            await self.tier.close()
             self.metrics.close()
         return self.records
 
-    async def _one_step(self, loop: asyncio.AbstractEventLoop) -> None:
+    async def _one_step(self, loop: asyncio.AbstractEventLoop) -> bool:
+        """One trainer step; False if it was lost with a failed trainer (recovered)."""
+        self._check_delivery(loop.time())
         step = self.step
         t0 = loop.time()
-        batch = await self._sample(step)
+        batch = await self._sample()
         t1 = loop.time()
         trajs = batch.trajectories
         if self.keep_batches:
             self.batches.append(batch)
-        if self.needs_logprobs:
-            await asyncio.gather(*(t.compute_logprobs(batch) for t in self.trainers))
-        results = await asyncio.gather(*(t.train_step(batch) for t in self.trainers))
-        version = step + 1
-        pub = await self.relays.publish(version, await self._export())
+        try:
+            if self.opt.needs_logprobs:
+                await self.trainer.compute_logprobs(batch)
+            metrics = await self.trainer.train_step(batch)
+            version = self.version + 1
+            pub = await self._publish(version)
+        except TrainerFailure as e:
+            await self._recover_trainer(batch, e)
+            return False
         t2 = loop.time()
-        self.step = version
-        self.consumed_prompts.update(g.prompt_index for g in batch.groups)
-        consumed = self.manager.consumed_groups + len(batch.groups)
-        if pub.pushed is None or pub.pushed.done():
-            self.manager.on_trainer_step(version, consumed)
-        else:
-            # A staged push: the trainer resumes now, but the rollouts hear of the step once
-            # the master relay holds it (as without staging), so they do not fill up with
-            # work for the old version in the moment before the new one reaches them.
-            pub.pushed.add_done_callback(
-                lambda _f: self.manager.on_trainer_step(version, consumed)
-            )
+        self.step += 1
+        self.version = self.held_version = version
+        prompts = [g.prompt_index for g in batch.groups]
+        self.consumed_prompts.update(prompts)
+        self._since_checkpoint += prompts
+        self._tell_manager(pub, version, self.manager.consumed_groups + len(batch.groups))
         rewards = [t.reward for t in trajs if t.reward is not None]
         rec = StepRecord(
             step=step,
@@ -178,9 +234,9 @@ class Controller:
             end=t2,
             tokens=batch.num_tokens,
             trajectories=len(trajs),
-            staleness=[step - t.version for t in trajs],
+            staleness=[batch.version - t.version for t in trajs],
             stall=pub.stall_seconds,
-            metrics=dict(results[0]),
+            metrics=dict(metrics),
             reward_mean=sum(rewards) / len(rewards) if rewards else None,
         )
         self.records.append(rec)
@@ -191,26 +247,181 @@ class Controller:
             "trainer",
             duration=t2 - t1 - pub.stall_seconds,
             step=step,
+            prompts=prompts,
         )
         self.events.record(
             t2, "weight_push", "trainer", duration=pub.stall_seconds, version=version
         )
         prev_end = self.records[-2].end if len(self.records) > 1 else self.t_start
         self.metrics.write(self._row(rec, prev_end))
+        return True
 
-    async def _sample(self, step: int) -> TrainBatch:
-        """The next batch, unless the rollout manager breaks first (then raise)."""
-        sample = asyncio.ensure_future(self.buffer.sample(step, self.groups_per_step))
-        fatal = self.manager.fatal
-        if fatal is None:
-            return await sample
-        await asyncio.wait({sample, fatal}, return_when=asyncio.FIRST_COMPLETED)
-        if fatal.done():
-            sample.cancel()
-            raise RuntimeError(f"rollout manager failed: {fatal.exception()!r}") from (
-                fatal.exception()
+    def _tell_manager(self, pub: PublishResult, version: int, consumed: int) -> None:
+        if pub.pushed is None or pub.pushed.done():
+            self.manager.on_trainer_step(version, consumed)
+        else:
+            # A staged push: the trainer resumes now, but the rollouts hear of the step once
+            # the master relay holds it (as without staging), so they do not fill up with
+            # work for the old version in the moment before the new one reaches them.
+            pub.pushed.add_done_callback(lambda _f: self.manager.on_trainer_step(version, consumed))
+
+    # --- publishing and its failures ----------------------------------------------------------
+
+    async def _publish(self, version: int) -> PublishResult:
+        """Push ``version``. A tier that cannot take it (no live relay: they are being
+        restarted) is survived: rollouts keep their weights; ``_check_delivery`` stops the
+        run once that lasts ``relay.max_unavailable_s``."""
+        loop = asyncio.get_running_loop()
+        try:
+            pub = await self.trainer.publish(version, self.tier)
+        except RelayUnavailable as e:
+            self._undelivered(loop.time(), str(e))
+            return PublishResult(version, 0, 0, 0.0, error=str(e))
+        if pub.pushed is not None and not pub.pushed.done():
+            pub.pushed.add_done_callback(lambda _f: self._pushed(pub, loop.time()))
+        else:
+            self._pushed(pub, loop.time())
+        return pub
+
+    def _pushed(self, pub: PublishResult, now: float) -> None:
+        if pub.error is None and pub.master_seconds is not None:
+            self._unavailable_since, self._unavailable_why = None, ""
+        else:
+            self._undelivered(now, pub.error or "the push to the master failed")
+
+    def _undelivered(self, now: float, why: str) -> None:
+        if self._unavailable_since is None:
+            self._unavailable_since = now
+            log.warning("no relay took the new version (%s); rollouts keep the old one", why)
+        self._unavailable_why = why
+
+    def _check_delivery(self, now: float) -> None:
+        limit = self.opt.max_unavailable_s
+        since = self._unavailable_since
+        if limit > 0 and since is not None and now - since > limit:
+            raise RuntimeError(
+                f"no replica could receive new weights for {now - since:.0f}s "
+                f"({self._unavailable_why}); the relay tier did not come back within "
+                f"relay.max_unavailable_s={limit:g}: check the relay actors' logs, or raise "
+                "relay.max_unavailable_s"
             )
+
+    # --- the trainer's failures ---------------------------------------------------------------
+
+    async def _recover_trainer(self, batch: TrainBatch, error: BaseException) -> None:
+        """Restart the trainer group from the latest checkpoint; hand out again the prompts
+        whose updates were lost with it (trained since that checkpoint, and ``batch``)."""
+        loop = asyncio.get_running_loop()
+        self.trainer_restarts += 1
+        limit = self.opt.max_trainer_restarts
+        if self.restart_trainer is None or self.trainer_restarts > limit:
+            raise RuntimeError(
+                f"the trainer failed ({error}) and was restarted {self.trainer_restarts - 1} "
+                f"time(s) already (trainer.max_restarts={limit}); see the trainer ranks' logs"
+            ) from error
+        t0 = loop.time()
+        log.warning("trainer failed (%s): restarting it from the latest checkpoint", error)
+        lost = [*self._since_checkpoint, *(g.prompt_index for g in batch.groups)]
+        self.trainer = await self.restart_trainer()
+        where = ckpt.latest(self.run_dir) if self.run_dir is not None else None
+        step, held = 0, 0
+        if where is not None:
+            state = ckpt.read_loop_state(where)
+            await self.trainer.load_checkpoint(str(where / ckpt.TRAINER_DIR))
+            step, held = int(state["step"]), int(state.get("version", state["step"]))
+        lost_steps = self.step - step
+        self.step = step
+        self.consumed_prompts.difference_update(lost)
+        self._since_checkpoint = []
+        self.manager.reissue(lost)
+        # the restored weights go out as a new version: the replicas leave the lost line
+        version = self.version + 1
+        pub = await self._publish(version)
+        self.version = self.held_version = version
+        self._tell_manager(pub, version, self.manager.consumed_groups)
+        took = loop.time() - t0
+        log.warning(
+            "trainer restarted in %.1fs from %s: %d step(s) and %d prompt(s) are redone",
+            took,
+            where or "its initial weights",
+            lost_steps,
+            len(lost),
+        )
+        self.events.record(
+            loop.time(),
+            "trainer_restart",
+            "trainer",
+            duration=took,
+            from_step=step,
+            restored_version=held,
+            lost_prompts=lost,
+            lost_steps=lost_steps,
+        )
+
+    # --- sampling -----------------------------------------------------------------------------
+
+    async def _sample(self) -> TrainBatch:
+        """The next batch, unless the rollout manager breaks first (then raise) or a stop is
+        requested (``StopRequested``). With the FIFO sampler, groups past
+        ``buffer.max_staleness`` are dropped and more are taken in their place; the
+        by-batch sampler's schedules bound staleness themselves."""
+        n, tag = self.opt.groups_per_step, self.batches_taken
+        bound = self.opt.max_staleness
+        if bound is not None and self.opt.stale_policy == "wait":
+            # the next publish must not leave a running trajectory more than the bound behind
+            await self._until(self.manager.wait_inflight_from(self.held_version + 1 - bound))
+        groups: list[Group] = []
+        while len(groups) < n:
+            got = (await self._take(tag, n - len(groups))).groups
+            groups += self._fresh(got) if self.buffer.sampler_name == "fifo" else got
+        self.batches_taken += 1
+        return TrainBatch(tag, groups, version=self.held_version)
+
+    async def _take(self, tag: int, n: int) -> TrainBatch:
+        return await self._until(self.buffer.sample(tag, n))
+
+    async def _until(self, aw: Awaitable[Any]) -> Any:
+        """``await aw``, unless the rollout manager breaks first (then raise) or a stop is
+        requested (``StopRequested``)."""
+        sample = asyncio.ensure_future(aw)
+        stop = asyncio.ensure_future(self._stop.wait())
+        waits = {sample, stop}
+        fatal = self.manager.fatal
+        if fatal is not None:
+            waits.add(fatal)
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+        if fatal is not None and fatal.done():
+            sample.cancel()
+            error = fatal.exception()
+            raise RuntimeError(f"rollout manager failed: {error}") from error
+        if not sample.done():
+            sample.cancel()
+            raise StopRequested()
         return sample.result()
+
+    def _fresh(self, groups: list[Group]) -> list[Group]:
+        """``groups`` within ``buffer.max_staleness`` versions of the trainer's; the others
+        are dropped and their prompts handed out again."""
+        bound = self.opt.max_staleness
+        if bound is None:
+            return groups
+        fresh, stale = [], []
+        for g in groups:
+            oldest = min((t.version for t in g.trajectories), default=self.held_version)
+            (stale if self.held_version - oldest > bound else fresh).append(g)
+        if stale:
+            self.stale_dropped += len(stale)
+            self.manager.reissue([g.prompt_index for g in stale])
+            log.warning(
+                "dropped %d group(s) older than buffer.max_staleness=%d; their prompts are "
+                "handed out again",
+                len(stale),
+                bound,
+            )
+        return fresh
 
     def _row(self, rec: StepRecord, prev_end: float) -> dict[str, Any]:
         period = max(rec.end - prev_end, 1e-12)
@@ -229,5 +440,35 @@ class Controller:
             "wait_seconds": rec.train_start - rec.start,
             "stall_seconds": rec.stall,
             "replica_versions": replicas,
+            "replicas_alive": self.manager.replicas_alive,
+            "replica_restarts": self.manager.replica_restarts,
+            "trainer_restarts": self.trainer_restarts,
+            "stale_dropped": self.stale_dropped,
             **rec.metrics,
         }
+
+
+def install_stop_handlers(controller: Controller) -> Callable[[], None]:
+    """SIGTERM and SIGINT ask ``controller`` to stop cleanly (a second SIGINT interrupts at
+    once); returns a function that restores the previous handlers."""
+    loop = asyncio.get_running_loop()
+    installed = []
+
+    def on_signal(sig: signal.Signals) -> None:
+        if controller.stop_requested and sig == signal.SIGINT:
+            raise KeyboardInterrupt
+        log.warning("%s: stopping after this step (Ctrl-C again to interrupt)", sig.name)
+        controller.request_stop()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, on_signal, sig)
+            installed.append(sig)
+        except (NotImplementedError, RuntimeError, ValueError):  # not the main thread
+            pass
+
+    def restore() -> None:
+        for sig in installed:
+            loop.remove_signal_handler(sig)
+
+    return restore

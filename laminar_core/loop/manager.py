@@ -23,12 +23,18 @@ import logging
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 from laminar_core.buffers import ExperienceBuffer, InFlight, PartialPool, PromptPool
-from laminar_core.interfaces import RepackPolicy, ReplicaFailure, RolloutEngine
+from laminar_core.interfaces import (
+    RepackPolicy,
+    ReplicaFailure,
+    RolloutEngine,
+    SharedVersionGone,
+    WeightsRef,
+)
 from laminar_core.loop.schedules import Schedule
-from laminar_core.relay.shm import SharedVersionGone
+from laminar_core.relay.events import RelayEvent, RelayEvents
 from laminar_core.telemetry import EventLog
 from laminar_core.types import (
     FinishReason,
@@ -56,33 +62,40 @@ class ManagerOptions:
     heartbeat_s: float = 1.0
     heartbeat_timeout_s: float = 10.0
     partial_sync_s: float = 5.0  # 0: the pool learns partial outputs only on abort
+    max_restarts: int = 3  # restarts of one replica within restart_window_s before eviction
+    restart_window_s: float = 600.0
+
+
+# Re-initialise replica ``index`` in place (the runtime's ``restart_replica``): returns the
+# new engine, started.
+RestartFn = Callable[[int], Awaitable[RolloutEngine]]
 
 
 class NodeRelayLike(Protocol):
     """What the manager needs of a replica's node relay: a ``NodeRelay`` in this process,
-    or a view of one hosted on the replica's node (``relay.view.SharedRelayView``)."""
+    or the driver's proxy of one hosted on the replica's node (``relay.remote.RemoteRelay``).
+    """
 
     relay_id: int
     node: int
-    listeners: list[Callable[[int], None]]  # called with each new version
+    events: RelayEvents  # committed / shared, per version (``relay.events``)
 
     @property
-    def version(self) -> int: ...
+    def version(self) -> int:
+        """The newest version a replica on the node can load."""
 
     @property
     def alive(self) -> bool: ...
 
-    async def wait_newer(self, version: int) -> int: ...
-
-    def weights(self) -> tuple[int, Any]:
-        """``(version, named tensors)`` of the newest version for ``update_weights``: the
-        buckets of a relay in this process, a reference the replica loads on its node for
-        a remote one."""
+    def weights(self) -> WeightsRef:
+        """The newest version for ``update_weights``: the tensors of a relay in this
+        process, a reference the replica loads on its node for a remote one."""
 
 
 @dataclass(eq=False)
 class ReplicaSlot:
-    """The manager's view of one replica."""
+    """The manager's view of one replica. ``alive`` False: failed (and, until a restart
+    brings it back, out of rotation); ``evicted``: failed too often, never restarted."""
 
     replica_id: str
     index: int
@@ -90,6 +103,8 @@ class ReplicaSlot:
     relay: NodeRelayLike
     version: int = 0
     alive: bool = True
+    evicted: bool = False
+    failures: list[float] = field(default_factory=list)  # when it failed (loop time)
     updating: bool = False
     pinned: int = 0
     prev_kv: float = 1.0
@@ -108,6 +123,7 @@ class RolloutManager:
         repack: RepackPolicy | None = None,
         reward_fn: RewardFn | None = None,
         events: EventLog | None = None,
+        restart: RestartFn | None = None,
     ) -> None:
         self.slots = slots
         self.by_id = {s.replica_id: s for s in slots}
@@ -119,13 +135,21 @@ class RolloutManager:
         self.reward_fn = reward_fn
         self.events = events or EventLog(enabled=False)
         self.pool = PartialPool()
-        self.admitted_groups = 0
-        self.consumed_groups = 0
+        self.admission = schedule.admission(options.groups_per_step)
         self.moved = 0
         self.moves = 0
         self.redirected = 0
         self.restarted = 0
         self.failed_replicas: list[str] = []
+        self.restart_fn = restart  # None: a failed replica stays out (e.g. studies)
+        self.replica_restarts = 0
+        self.evicted_replicas: list[str] = []
+        # Replace a dead node relay (the runtime's restart_relay: it rejoins the chain and
+        # catches up); None: relays are not restarted (they live in the driver).
+        self.restart_relay_fn: Callable[[int], Awaitable[None]] | None = None
+        self.relay_restarts = 0
+        self._relay_failures: dict[int, list[float]] = {}
+        self._relays_restarting: set[int] = set()
         self.discarded = 0  # results of superseded attempts (moved, redirected) ignored
         self.refused_moves = 0
         self.fatal: asyncio.Future | None = None  # set if the manager itself breaks
@@ -137,6 +161,7 @@ class RolloutManager:
         self._kicked = False
         self._stopping = False
         self._repack_now = asyncio.Event()
+        self._finished = asyncio.Event()  # set whenever a trajectory finished
         self._loop: asyncio.AbstractEventLoop | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -145,18 +170,30 @@ class RolloutManager:
         self.fatal = self._loop.create_future()
         await asyncio.gather(*(s.engine.start() for s in self.slots))
         for relay in {id(s.relay): s.relay for s in self.slots}.values():
-            relay.listeners.append(self._relay_listener(relay))
+            relay.events.subscribe(self._relay_listener(relay))
         for s in self.slots:
             if s.relay.version > s.version:  # e.g. a resumed run: load before generating
                 self._close(s.replica_id)
                 s.wake.set()
-        self._bg = [asyncio.ensure_future(self._driver(s)) for s in self.slots]
-        self._bg.append(asyncio.ensure_future(self._heartbeat_loop()))
-        if self.repack_policy is not None:
+        for s in self.slots:
+            self._spawn(self._driver(s))
+        self._bg = [asyncio.ensure_future(self._heartbeat_loop())]
+        if self.repack_policy is not None and self.repack_policy.active:
             self._bg.append(asyncio.ensure_future(self._repack_loop()))
         for t in self._bg:
             t.add_done_callback(self._task_done)
         self._kick()
+
+    def _spawn(self, coro: Awaitable[None]) -> asyncio.Task:
+        """A background task of the manager's (stopped with it; a bug in it is fatal)."""
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+        return task
+
+    @property
+    def replicas_alive(self) -> int:
+        return sum(1 for s in self.slots if s.alive)
 
     def _task_done(self, task: asyncio.Task) -> None:
         """A bug in the manager's own tasks stops the run (via ``fatal``) instead of
@@ -184,14 +221,36 @@ class RolloutManager:
         assert self._loop is not None
         return self._loop.time()
 
+    @property
+    def admitted_groups(self) -> int:
+        return self.admission.admitted
+
+    @property
+    def consumed_groups(self) -> int:
+        return self.admission.consumed
+
     def resume_at(self, step: int) -> None:
         """Continue a run whose trainer has done ``step`` steps: batch tags count on from
         there (nothing is outstanding: groups in flight at the checkpoint are re-issued)."""
-        self.admitted_groups = self.consumed_groups = step * self.opt.groups_per_step
+        self.admission.resume_at(step)
+
+    async def wait_inflight_from(self, version: int) -> None:
+        """Return once no trajectory in flight runs on a version older than ``version``
+        (the trainer waiting for its rollouts: ``buffer.stale_policy=wait``)."""
+        while (oldest := self.pool.oldest_version()) is not None and oldest < version:
+            self._finished.clear()
+            await self._finished.wait()
+
+    def reissue(self, prompt_indices: list[int]) -> None:
+        """Hand these prompts out again (their groups were dropped or their updates lost):
+        before any new prompt, as new groups."""
+        if prompt_indices:
+            self.prompts.reissue(prompt_indices)
+            self._kick()
 
     def on_trainer_step(self, version: int, consumed_groups: int) -> None:
         """The controller consumed a batch and published ``version``: admit more, repack."""
-        self.consumed_groups = consumed_groups
+        self.admission.on_consumed(consumed_groups)
         self._repack_now.set()
         self._kick()
 
@@ -232,23 +291,19 @@ class RolloutManager:
             item = self._orphans.popleft()
             item.version = slot.version
             self._launch(slot, item, None)
-        g = self.opt.groups_per_step
         samples = self.prompts.samples
-        sched = self.schedule
-        lag = sched.max_lag
-        if lag is not None and self._newest_open is None:
-            self._newest_open = max(s.version for s in self._open.values())
-        newest = self._newest_open or 0
-        while True:
-            tag = self.admitted_groups // g
-            if lag is None:
-                if not sched.admits(tag, 0, self.admitted_groups - self.consumed_groups, g):
-                    return
+        adm = self.admission
+        while adm.open():
+            tag = adm.next_tag
+            need = adm.min_version(tag)
+            if need is None:
                 slot = self._least_loaded(samples)
             else:
-                if tag > newest + lag:  # no open replica is recent enough for this batch
+                if self._newest_open is None:
+                    self._newest_open = max(s.version for s in self._open.values())
+                if need > self._newest_open:  # no open replica is recent enough
                     return
-                slot = self._least_loaded(samples, tag - lag)
+                slot = self._least_loaded(samples, need)
             if slot is None:
                 return
             self._admit_group(slot, tag)
@@ -256,7 +311,7 @@ class RolloutManager:
     def _admit_group(self, slot: ReplicaSlot, tag: int) -> None:
         group = self.prompts.next_group()
         self.buffer.expect(group.group_id, group.index, group.samples, batch_tag=tag)
-        self.admitted_groups += 1
+        self.admission.on_admitted()
         prompt = group.prompt
         base_key = group.index * group.samples
         for j in range(group.samples):
@@ -338,19 +393,23 @@ class RolloutManager:
             tokens=traj.num_response_tokens,
         )
         self.buffer.write(traj)
+        self._finished.set()
         if not slot.inflight:
             slot.wake.set()
         self._kick()
 
     # -- weights -----------------------------------------------------------------------------
-    def _relay_listener(self, relay: NodeRelayLike) -> Callable[[int], None]:
-        def on_commit(version: int) -> None:
+    def _relay_listener(self, relay: NodeRelayLike) -> Callable[[RelayEvent], None]:
+        """A newer version committed at the node's relay: its replicas stop admitting and
+        drain; once it is shared there they pull it (the driver checks ``relay.version``)."""
+
+        def on_event(event: RelayEvent) -> None:
             for s in self.slots:
-                if s.relay is relay and s.alive and version > s.version:
+                if s.relay is relay and s.alive and event.version > s.version:
                     self._close(s.replica_id)  # stop admitting; drain, then pull
                     s.wake.set()
 
-        return on_commit
+        return on_event
 
     async def _driver(self, slot: ReplicaSlot) -> None:
         while slot.alive and not self._stopping:
@@ -370,9 +429,10 @@ class RolloutManager:
         t0 = self.now()
         # what the other replicas are generating meanwhile: nobody waits for this pull
         others = sum(len(s.inflight) for s in self.slots if s is not slot and s.alive)
-        version, tensors = slot.relay.weights()
+        weights = slot.relay.weights()
+        version = weights.version
         try:
-            await slot.engine.update_weights(version, tensors)
+            await slot.engine.update_weights(weights)
         except ReplicaFailure as e:
             slot.updating = False
             self._replica_failed(slot, str(e))
@@ -393,7 +453,7 @@ class RolloutManager:
             duration=self.now() - t0,
             version=version,
             others_inflight=others,
-            node_local=bool(getattr(tensors, "node_local", False)),
+            node_local=weights.node_local,
         )
         if slot.relay.version > slot.version:
             slot.wake.set()  # an even newer one arrived meanwhile
@@ -503,7 +563,14 @@ class RolloutManager:
             src.pinned -= 1
             dst.pinned -= 1
         self.moves += 1
-        self.events.record(self.now(), "repack", src.replica_id, to=dst.replica_id, n=len(parts))
+        self.events.record(
+            self.now(),
+            "repack",
+            src.replica_id,
+            to=dst.replica_id,
+            n=len(parts),
+            ids=[p.traj_id for p in parts],  # `laminar report` draws each move on its rows
+        )
         for p in parts:
             src.inflight.discard(p.traj_id)
             item = self.pool.get(p.traj_id)
@@ -526,6 +593,8 @@ class RolloutManager:
         last_sync = 0.0
         while not self._stopping:
             await asyncio.sleep(self.opt.heartbeat_s)
+            if self.restart_relay_fn is not None:
+                self._watch_relays()
             live = [s for s in self.slots if s.alive]
             sync = self.opt.partial_sync_s > 0 and self.now() - last_sync >= self.opt.partial_sync_s
             if sync:
@@ -548,7 +617,9 @@ class RolloutManager:
             self._replica_failed(slot, str(e))
 
     def _replica_failed(self, slot: ReplicaSlot, reason: str) -> None:
-        """Mark ``slot`` dead and redirect its in-flight trajectories (idempotent)."""
+        """Mark ``slot`` dead, redirect its in-flight trajectories, and have the runtime
+        re-initialise it (or evict it after ``max_restarts`` failures within
+        ``restart_window_s``). Idempotent."""
         # while stopping, engines shut down under in-flight calls: not a failure
         if not slot.alive or self._stopping:
             return
@@ -576,6 +647,132 @@ class RolloutManager:
             if item is not None:
                 self._redirect(item, item.partial)
         self._kick()
+        if self.restart_fn is not None:
+            self._spawn(self._recover(slot, reason))
+
+    def _watch_relays(self) -> None:
+        """A node relay found dead is replaced (at most ``max_restarts`` times within
+        ``restart_window_s``; after that its node's replicas keep the weights they hold)."""
+        for relay in {id(s.relay): s.relay for s in self.slots}.values():
+            rid = relay.relay_id
+            if relay.alive or rid in self._relays_restarting:
+                continue
+            now = self.now()
+            recent = [
+                t for t in self._relay_failures.get(rid, []) if now - t <= self.opt.restart_window_s
+            ]
+            if len(recent) >= self.opt.max_restarts:
+                continue  # given up on: logged when it happened
+            self._relay_failures[rid] = [*recent, now]
+            self._relays_restarting.add(rid)
+            self._spawn(self._recover_relay(relay))
+
+    async def _recover_relay(self, relay: NodeRelayLike) -> None:
+        assert self.restart_relay_fn is not None
+        rid, t0 = relay.relay_id, self.now()
+        log.warning("relay %s (node %s) died: starting a new one", rid, relay.node)
+        self.events.record(t0, "relay_failed", f"relay{rid}")
+        try:
+            await self.restart_relay_fn(rid)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            left = self.opt.max_restarts - len(self._relay_failures.get(rid, []))
+            log.warning(
+                "relay %s could not be restarted (%s: %s)%s",
+                rid,
+                type(e).__name__,
+                e,
+                "; trying again" if left > 0 else "; giving up: its node keeps old weights",
+            )
+            return
+        finally:
+            self._relays_restarting.discard(rid)
+        self.relay_restarts += 1
+        took = self.now() - t0
+        log.warning("relay %s restarted in %.1fs, at version %s", rid, took, relay.version)
+        self.events.record(self.now(), "relay_restart", f"relay{rid}", duration=took)
+        for s in self.slots:  # its replicas may now load what they missed
+            if s.relay is relay:
+                s.wake.set()
+
+    def _may_restart(self, slot: ReplicaSlot) -> bool:
+        """Record a failure now; False once there were more than ``max_restarts`` within
+        ``restart_window_s`` (the replica is then evicted)."""
+        now = self.now()
+        slot.failures = [t for t in slot.failures if now - t <= self.opt.restart_window_s]
+        slot.failures.append(now)
+        return len(slot.failures) <= self.opt.max_restarts
+
+    async def _recover(self, slot: ReplicaSlot, reason: str) -> None:
+        """Re-initialise a failed replica in place and put it back into rotation; it loads
+        the node relay's newest version before it takes work."""
+        assert self.restart_fn is not None
+        while not self._stopping:
+            if not self._may_restart(slot):
+                self._evict(slot, reason)
+                return
+            t0 = self.now()
+            try:
+                engine = await self.restart_fn(slot.index)
+                version = (await engine.stats()).version
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # the restart failed: that is one more failure
+                reason = f"restart failed: {type(e).__name__}: {e}"
+                log.warning("replica %s: %s", slot.replica_id, reason)
+                continue
+            if self._stopping:
+                return
+            self._revive(slot, engine, version, self.now() - t0)
+            return
+
+    def _revive(self, slot: ReplicaSlot, engine: RolloutEngine, version: int, took: float) -> None:
+        slot.engine, slot.version = engine, version
+        slot.alive, slot.updating, slot.pinned, slot.prev_kv = True, False, 0, 1.0
+        slot.wake = asyncio.Event()
+        self.replica_restarts += 1
+        log.warning(
+            "replica %s restarted in %.1fs (version %s); back in rotation",
+            slot.replica_id,
+            took,
+            version,
+        )
+        self.events.record(
+            self.now(), "replica_restart", slot.replica_id, duration=took, version=version
+        )
+        if slot.relay.version > slot.version:  # load the node's newest before any work
+            self._close(slot.replica_id)
+            slot.wake.set()
+        else:
+            self._open[slot.replica_id] = slot
+            self._newest_open = None
+        self._spawn(self._driver(slot))
+        self._kick()
+
+    def _evict(self, slot: ReplicaSlot, reason: str) -> None:
+        slot.evicted = True
+        self.evicted_replicas.append(slot.replica_id)
+        log.warning(
+            "replica %s evicted after %d failures within %.0fs (last: %s); %d replicas left",
+            slot.replica_id,
+            len(slot.failures),
+            self.opt.restart_window_s,
+            reason,
+            self.replicas_alive,
+        )
+        self.events.record(self.now(), "replica_evicted", slot.replica_id, reason=reason)
+        node = slot.relay.node
+        if all(s.evicted for s in self.slots if s.relay.node == node):
+            log.warning("every replica of node %s was evicted: the node is out", node)
+            self.events.record(self.now(), "node_evicted", f"node{node}")
+        if self.replicas_alive == 0 and not any(not s.evicted for s in self.slots):
+            self._fail(RuntimeError(f"every replica was evicted (the last: {reason})"))
+
+    def _fail(self, error: BaseException) -> None:
+        """Stop the run: the controller raises ``error`` at its next wait for data."""
+        if self.fatal is not None and not self.fatal.done():
+            self.fatal.set_exception(error)
 
     def _redirect(self, item: InFlight, partial: PartialTrajectory | None) -> None:
         """Resume ``item`` from ``partial`` on a live replica of the same version, else

@@ -15,11 +15,15 @@ trajectories under the new weights (AReaL's interruptible generation).
 * ``laminar``: no lag bound; replicas refresh independently when free, the trainer takes
   groups in completion order; admission is limited only by ``max_ahead_batches`` of
   outstanding (admitted, not yet consumed) groups.
+
+The admission rules themselves (formulas, counters) are ``loop.admission``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from laminar_core.loop.admission import Admission, LagAdmission, WindowAdmission
 
 
 class ScheduleError(ValueError):
@@ -34,13 +38,11 @@ class Schedule:
     partial_rollout: bool = False
     max_ahead_batches: float = 4.0
 
-    def admits(
-        self, batch_tag: int, replica_version: int, outstanding_groups: int, groups_per_step: int
-    ) -> bool:
-        """May a replica at ``replica_version`` take a group admitted for ``batch_tag``?"""
+    def admission(self, groups_per_step: int) -> Admission:
+        """This schedule's admission rule (``loop.admission``) for one run."""
         if self.max_lag is None:
-            return outstanding_groups < self.max_ahead_batches * groups_per_step
-        return batch_tag <= replica_version + self.max_lag
+            return WindowAdmission(groups_per_step, self.max_ahead_batches)
+        return LagAdmission(groups_per_step, self.max_lag)
 
 
 def _no_arg(name: str, arg: str | None) -> None:

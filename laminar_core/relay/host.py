@@ -1,7 +1,8 @@
 """A relay host: one node relay, its transport endpoint, and the pipelined receive loop.
 
-The host lives where its relay lives: in the driver (in-process tier, simulator) or in a relay
-process (``RelayProcess``), driven over RPC by the tier. Per version the tier calls
+The host lives where its relay lives: in the driver (in-process tier, simulator), or in a
+relay process or Ray actor (``relay.server.RelayServer``), driven over RPC by the tier through
+a ``RemoteRelay``. The calls are ``relay.protocol``'s. Per version the tier calls
 ``receive(version, count, pred, nxt)`` on every host of the chain: the host reads ``count``
 buckets from ``pred`` and hands each to a forwarding task towards ``nxt`` as soon as it has
 passed its checksum, so relay ``i`` forwards bucket ``j`` while it receives bucket ``j + 1``.
@@ -20,30 +21,20 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from laminar_core.interfaces import TransportError, WeightTransport
+from laminar_core.interfaces import WeightTransport
 from laminar_core.relay.node import NodeRelay
 from laminar_core.relay.packing import WeightIntegrityError
+from laminar_core.relay.protocol import ABORT, ForwardFailed, RelayCancelled
 from laminar_core.types import Bucket, WeightManifest
 
 log = logging.getLogger(__name__)
 
-ABORT = -1  # bucket index of the marker that abandons a version down the chain
-PROBE = -3  # version number of calibration buckets (never staged)
 _THREADED_CHECK = 1 << 20  # buckets this large are checked on a worker thread
 
 
 def _retrieve(fut: asyncio.Future) -> None:
     if not fut.cancelled():
         fut.exception()
-
-
-class RelayCancelled(RuntimeError):
-    """The tier called off this version here (an upstream relay died); nothing was committed."""
-
-
-class ForwardFailed(TransportError):
-    """This relay committed and shared the version, but could not send it on (the next
-    relay is gone): the version is good here, the chain needs repair after it."""
 
 
 @dataclass
@@ -62,6 +53,8 @@ class RelayHost:
 
     ``die_at=(version, index)`` is fault injection for chaos tests: the hosting process
     exits the moment that bucket arrives (``os._exit``), as a crashed relay would.
+    ``on_commit(relay)`` runs when a version is committed here and may return an awaitable
+    (e.g. the write into the node's shared memory): ``drain`` and ``status`` wait for it.
     """
 
     def __init__(
@@ -80,6 +73,7 @@ class RelayHost:
         self.die_at = tuple(die_at) if die_at else None
         self.on_commit = on_commit
         self._jobs: dict[int, _Job] = {}
+        self._sharing: dict[int, Any] = {}  # version -> its on_commit awaitable, newest only
         self._called_off: dict[int, int] = {}  # version -> the last attempt called off
         self._serving: dict[int, asyncio.Task] = {}
         self._probe_buf = memoryview(b"")  # calibration buckets land here, then are dropped
@@ -93,11 +87,22 @@ class RelayHost:
     async def connect(self, peers: dict[int, Any]) -> None:
         await self.transport.connect(peers)
 
+    @property
+    def relay_id(self) -> int:
+        return self.relay.relay_id
+
     def is_alive(self) -> bool:
         return self.relay.alive
 
     async def status(self) -> int:
-        return self.relay.version
+        """The version held here, once its share with the node (if one is under way) ended:
+        what the tier reads as "ready on this node"."""
+        held = self.relay.version
+        sharing = self._sharing.get(held)
+        if inspect.isawaitable(sharing):
+            with contextlib.suppress(Exception):
+                await asyncio.shield(sharing)
+        return held
 
     async def close(self) -> None:
         for v in list(self._jobs):
@@ -335,6 +340,9 @@ class RelayHost:
                 relay.commit(manifest)  # serve it as soon as it is complete here
                 if self.on_commit is not None:
                     job.shared = self.on_commit(relay)
+                    if inspect.isawaitable(job.shared):
+                        job.shared = asyncio.ensure_future(job.shared)
+                    self._sharing = {version: job.shared}
         except asyncio.CancelledError:
             relay.abandon(version)
             raise

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 
-import torch
-
+from laminar_core.interfaces.weights import ModelOnly, TensorWeights, WeightsRef
+from laminar_core.relay.events import RelayEventKind, RelayEvents
 from laminar_core.relay.packing import WeightIntegrityError, unpack, verify_bucket
 from laminar_core.types import Bucket, WeightManifest
 
@@ -36,6 +35,9 @@ class NodeRelay:
     with ``expect_layout`` (from the engine), or it is pinned by the first committed version.
     A manifest with another layout is rejected at commit.
 
+    Events: ``events`` (``relay.events``) tells subscribers of each committed version; a
+    relay in the driver serves what it committed at once, so the version is also shared.
+
     Memory: ``alloc(nbytes)`` hands a transport a buffer to receive a bucket into. Buffers
     handed out here are recycled once their version is superseded (by then its broadcast,
     repair and node share have finished: the tier runs versions one after another; readers
@@ -50,9 +52,8 @@ class NodeRelay:
         self.layout: list[tuple[str, tuple[int, ...], str]] | None = None
         self.current: VersionData | None = None
         self._staging: dict[int, list[Bucket | None]] = {}
-        self._changed = asyncio.Event()
         self.alive = True
-        self.listeners: list[Callable[[int], None]] = []  # called with the new version
+        self.events = RelayEvents(relay_id)
         self._free: dict[int, list[memoryview]] = {}  # size -> recycled buffers
         self._owned: dict[int, memoryview] = {}  # id -> buffers handed out by alloc
         self.allocated_bytes = 0  # fresh memory alloc() had to take (not recycled)
@@ -123,10 +124,7 @@ class NodeRelay:
         self._recycle(self.current)
         self.current = VersionData(manifest, stage)  # type: ignore[arg-type]
         self._forget_strays()
-        self._changed.set()
-        self._changed = asyncio.Event()
-        for listener in self.listeners:
-            listener(manifest.version)
+        self.events.emit(RelayEventKind.SHARED, manifest.version)
 
     def _forget_strays(self) -> None:
         """Stop tracking buffers that went nowhere (a rejected bucket, an abandoned version),
@@ -166,17 +164,14 @@ class NodeRelay:
     def abandon(self, version: int) -> None:
         self._staging.pop(version, None)
 
-    async def wait_newer(self, version: int) -> int:
-        """Return once a version newer than ``version`` is held."""
-        while self.version <= version:
-            await self._changed.wait()
-        return self.version
-
-    def weights(self) -> tuple[int, Iterator[tuple[str, torch.Tensor]] | None]:
-        """``(version, named tensors)`` of the held version, for a replica's
-        ``update_weights`` (``None`` tensors for a phantom, simulated, version)."""
+    def weights(self) -> WeightsRef:
+        """The held version for a replica's ``update_weights``: its tensors, or
+        ``ModelOnly`` for a phantom (simulated) version."""
         data = self.read()
-        return data.version, unpack(data.manifest, data.buckets)
+        tensors = unpack(data.manifest, data.buckets)
+        if tensors is None:
+            return ModelOnly(data.version)
+        return TensorWeights(data.version, list(tensors))
 
     def read(self) -> VersionData:
         if self.current is None:

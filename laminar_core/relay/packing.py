@@ -22,7 +22,7 @@ class WeightIntegrityError(ValueError):
 
 
 _CHECKSUM_MASK = (1 << 63) - 1  # fits the wire header's signed int64; -1 stays "no bytes"
-_UNSUMMED = -2  # a packed bucket whose checksum its sender takes later (``checksums=False``)
+UNSUMMED = -2  # a packed bucket whose checksum its sender takes later (``checksums=False``)
 
 
 def checksum(data: bytes | bytearray | memoryview) -> int:
@@ -60,7 +60,11 @@ def _host_buffer(nbytes: int, pin: bool) -> memoryview:
 
 
 class BucketPacker:
-    """Iterate ``buckets()`` first; ``manifest`` is complete once it is exhausted.
+    """Cuts a stream of named tensors into checksummed buckets.
+
+    Feed it ``add(name, tensor)`` per tensor (each yields the buckets that tensor
+    completes) then ``finish()`` (the last, shorter bucket), or iterate ``buckets()`` over
+    the ``named_tensors`` it was built with; ``manifest`` is complete once it is finished.
 
     A bucket that lies inside one host tensor is a view of that tensor's memory (no copy);
     one that spans tensors is assembled in a buffer. With ``reuse=True`` those buffers are a
@@ -74,16 +78,16 @@ class BucketPacker:
     contiguous buffer (``ring[0]``, recycled) and cuts the buckets as slices of it: no views,
     so the version cannot change with the trainer's weights, and the copy runs in pieces the
     size of the tensors whatever the bucket size. ``checksums=False`` leaves buckets
-    ``_UNSUMMED`` for their sender to sum as they go out.
+    ``UNSUMMED`` for their sender to sum as they go out.
     """
 
     RING = 3
 
     def __init__(
         self,
-        named_tensors: Iterable[tuple[str, torch.Tensor]],
-        version: int,
-        bucket_bytes: int,
+        named_tensors: Iterable[tuple[str, torch.Tensor]] = (),
+        version: int = 0,
+        bucket_bytes: int = 1 << 20,
         reuse: bool = False,
         ring: list[memoryview] | None = None,
         pin: bool = False,
@@ -97,7 +101,7 @@ class BucketPacker:
         self.bucket_bytes = bucket_bytes
         self.reuse = reuse
         self.pin = pin  # page-locked buffers (a GPU trainer's staging)
-        self.checksum_now = checksums  # False: buckets carry _UNSUMMED, the sender sums them
+        self.checksum_now = checksums  # False: buckets carry UNSUMMED, the sender sums them
         self.arena_bytes = arena_bytes
         self._ring: list[memoryview] = ring if ring is not None else []
         if not arena_bytes and any(len(b) != bucket_bytes for b in self._ring):
@@ -109,10 +113,19 @@ class BucketPacker:
         self.sizes: list[int] = []
         self.checksums: list[int] = []
         self.phantom: bool | None = None
+        self._buf: memoryview | None = None  # the bucket being assembled (spans tensors)
+        self._fill = 0  # bytes in it (phantom buckets count without storing)
+        self._offset = 0  # bytes of the stream so far
+        self._cut = 0  # arena: where the next bucket starts
 
     @property
     def manifest(self) -> WeightManifest:
         return WeightManifest(self.version, self.tensors, self.sizes, self.checksums)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the tensors added so far."""
+        return self._offset
 
     def _buffer(self) -> memoryview:
         if not self.reuse:
@@ -125,98 +138,102 @@ class BucketPacker:
         return self._ring[self._turn]
 
     def _emit(self, data: memoryview | None, nbytes: int) -> Bucket:
-        crc = -1 if data is None else checksum(data) if self.checksum_now else _UNSUMMED
+        digest = -1 if data is None else checksum(data) if self.checksum_now else UNSUMMED
         self.sizes.append(nbytes)
-        self.checksums.append(crc)
-        return Bucket(self.version, len(self.sizes) - 1, nbytes, crc, data)
+        self.checksums.append(digest)
+        return Bucket(self.version, len(self.sizes) - 1, nbytes, digest, data)
 
     def buckets(self) -> Iterator[Bucket]:
-        if self.arena_bytes:
-            yield from self._arena_buckets()
-            return
-        size = self.bucket_bytes
-        buf: memoryview | None = None  # the bucket being assembled (spans tensors)
-        fill = 0  # bytes in the current bucket (phantom buckets count without storing)
-        offset = 0
+        """Every bucket of ``named_tensors`` (the tensors given at construction)."""
         for name, t in self._it:
-            is_meta = t.device.type == "meta"
-            if self.phantom is None:
-                self.phantom = is_meta
-            elif self.phantom != is_meta:
-                raise ValueError("cannot mix meta (simulated) and real tensors in one version")
-            nbytes = t.numel() * t.element_size()
-            self.tensors.append(
-                TensorSpec(
-                    name,
-                    tuple(t.shape),
-                    str(t.dtype).removeprefix("torch."),
-                    offset // size,
-                    offset,
-                    nbytes,
-                )
-            )
-            offset += nbytes
-            if is_meta:
-                fill += nbytes
-                while fill >= size:
-                    fill -= size
-                    yield self._emit(None, size)
+            yield from self.add(name, t)
+        yield from self.finish()
+
+    def add(self, name: str, t: torch.Tensor) -> Iterator[Bucket]:
+        """Append one tensor to the stream; yields the buckets it completes."""
+        if self.arena_bytes:
+            return self._add_to_arena(name, t)
+        return self._add(name, t)
+
+    def finish(self) -> Iterator[Bucket]:
+        """The last, partial bucket (if any): the stream is complete."""
+        if self.arena_bytes:
+            if self._offset > self._cut:
+                yield self._emit(self._ring[0][self._cut : self._offset], self._offset - self._cut)
+                self._cut = self._offset
+        elif self.phantom and self._fill:
+            yield self._emit(None, self._fill)
+        elif self._buf is not None and self._fill:
+            yield self._emit(self._buf[: self._fill], self._fill)
+        self._buf, self._fill = None, 0
+
+    def _spec(self, name: str, t: torch.Tensor, nbytes: int) -> None:
+        dtype = str(t.dtype).removeprefix("torch.")
+        offset = self._offset
+        self.tensors.append(
+            TensorSpec(name, tuple(t.shape), dtype, offset // self.bucket_bytes, offset, nbytes)
+        )
+
+    def _add(self, name: str, t: torch.Tensor) -> Iterator[Bucket]:
+        size = self.bucket_bytes
+        is_meta = t.device.type == "meta"
+        if self.phantom is None:
+            self.phantom = is_meta
+        elif self.phantom != is_meta:
+            raise ValueError("cannot mix meta (simulated) and real tensors in one version")
+        nbytes = t.numel() * t.element_size()
+        self._spec(name, t, nbytes)
+        self._offset += nbytes
+        if is_meta:
+            self._fill += nbytes
+            while self._fill >= size:
+                self._fill -= size
+                yield self._emit(None, size)
+            return
+        view = _tensor_bytes(t) if t.device.type == "cpu" else None
+        src = view if view is not None else _device_bytes(t)
+        pos = 0
+        while pos < nbytes:
+            if view is not None and self._fill == 0 and nbytes - pos >= size:
+                yield self._emit(view[pos : pos + size], size)  # inside this tensor
+                pos += size
                 continue
-            view = _tensor_bytes(t) if t.device.type == "cpu" else None
-            src = _tensor_bytes(t) if t.device.type == "cpu" else _device_bytes(t)
-            pos = 0
-            while pos < nbytes:
-                if view is not None and fill == 0 and nbytes - pos >= size:
-                    yield self._emit(view[pos : pos + size], size)  # inside this tensor
-                    pos += size
-                    continue
-                if buf is None:
-                    buf = self._buffer()
-                take = min(size - fill, nbytes - pos)
-                _copy(buf[fill : fill + take], t, src, pos, take)
-                fill += take
-                pos += take
-                if fill == size:
-                    yield self._emit(buf, size)
-                    buf, fill = None, 0
-        if self.phantom and fill:
-            yield self._emit(None, fill)
-        elif buf is not None and fill:
-            yield self._emit(buf[:fill], fill)
+            if self._buf is None:
+                self._buf = self._buffer()
+            take = min(size - self._fill, nbytes - pos)
+            _copy(self._buf[self._fill : self._fill + take], t, src, pos, take)
+            self._fill += take
+            pos += take
+            if self._fill == size:
+                yield self._emit(self._buf, size)
+                self._buf, self._fill = None, 0
 
-
-    def _arena_buckets(self) -> Iterator[Bucket]:
-        """Copy every tensor whole into one contiguous buffer of ``arena_bytes`` (``ring[0]``,
+    def _add_to_arena(self, name: str, t: torch.Tensor) -> Iterator[Bucket]:
+        """Copy the tensor whole into one contiguous buffer of ``arena_bytes`` (``ring[0]``,
         recycled), at its offset, and cut buckets as slices of it: the copy runs in pieces
         the size of the tensors, whatever the bucket size (what a staged push wants: its
         length is the trainer's stall). Never phantom, never views."""
         total, size = self.arena_bytes, self.bucket_bytes
         if not (self._ring and len(self._ring[0]) == total):
             self._ring[:] = [_host_buffer(total, self.pin)]
-        arena, offset, cut = self._ring[0], 0, 0
-        for name, t in self._it:
-            if t.device.type == "meta":
-                raise ValueError("a staged version needs real tensors (got a meta tensor)")
-            nbytes = t.numel() * t.element_size()
-            dtype = str(t.dtype).removeprefix("torch.")
-            self.tensors.append(
-                TensorSpec(name, tuple(t.shape), dtype, offset // size, offset, nbytes)
+        arena = self._ring[0]
+        if t.device.type == "meta":
+            raise ValueError("a staged version needs real tensors (got a meta tensor)")
+        nbytes = t.numel() * t.element_size()
+        self._spec(name, t, nbytes)
+        if self._offset + nbytes > total:
+            raise WeightIntegrityError(
+                f"version {self.version}: the export is not the announced {total} bytes "
+                f"(it goes past them at {name!r}); weights must keep their names, shapes "
+                "and dtypes between versions"
             )
-            if offset + nbytes > total:
-                raise WeightIntegrityError(
-                    f"version {self.version}: the export is not the announced {total} bytes "
-                    f"(it goes past them at {name!r}); weights must keep their names, shapes "
-                    "and dtypes between versions"
-                )
-            if nbytes:
-                src = _tensor_bytes(t) if t.device.type == "cpu" else _device_bytes(t)
-                _copy(arena[offset : offset + nbytes], t, src, 0, nbytes)
-            offset += nbytes
-            while offset - cut >= size:
-                yield self._emit(arena[cut : cut + size], size)
-                cut += size
-        if offset > cut:
-            yield self._emit(arena[cut:offset], offset - cut)
+        if nbytes:
+            src = _tensor_bytes(t) if t.device.type == "cpu" else _device_bytes(t)
+            _copy(arena[self._offset : self._offset + nbytes], t, src, 0, nbytes)
+        self._offset += nbytes
+        while self._offset - self._cut >= size:
+            yield self._emit(arena[self._cut : self._cut + size], size)
+            self._cut += size
 
 
 def verify_bucket(bucket: Bucket, expected_size: int | None = None) -> None:

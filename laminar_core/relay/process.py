@@ -1,14 +1,14 @@
 """A relay in its own process, driven over a pipe: what real transports run between.
 
-``RelayProcess`` spawns a process hosting one ``RelayHost`` (its ``NodeRelay``, its transport
-endpoint, optionally a ``SharedVersionStore`` for the node's rollouts) and exposes the same
-coroutines as ``RelayHost``, so the ``RelayTier`` drives it exactly like an in-process relay.
-The control channel is a ``multiprocessing`` pipe carrying small RPCs (the manifest, version
-numbers, ranks); bucket bytes only ever travel on the transport.
+``RelayProcess`` spawns a process hosting one ``relay.server.RelayServer`` (its
+``NodeRelay``, its transport endpoint, optionally the node's shared-memory store) and is the
+driver's ``RemoteRelay`` for it, so the ``RelayTier`` drives it exactly like an in-process
+relay. The control channel is a ``multiprocessing`` pipe carrying small RPCs (the manifest,
+version numbers, ranks); bucket bytes only ever travel on the transport.
 
 A process that exits (crash, ``kill``) fails every pending call with ``RelayDied`` at once and
 reports ``is_alive() == False``, which is how the tier notices a dead relay. The Ray runtime
-can host the same ``RelayHost`` in an actor instead.
+hosts the same server in an actor instead (``runtime.relay_actor``).
 """
 
 from __future__ import annotations
@@ -24,17 +24,14 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from laminar_core.interfaces import TransportError, WeightTransport
-from laminar_core.relay.host import RelayHost
-from laminar_core.relay.node import NodeRelay
-from laminar_core.relay.wire import manifest_from_json, manifest_to_json
-from laminar_core.types import WeightManifest
+from laminar_core.interfaces import WeightTransport
+from laminar_core.relay.protocol import RelayDied
+from laminar_core.relay.remote import RemoteRelay
+from laminar_core.relay.server import RelayServer
 
 log = logging.getLogger(__name__)
 
-
-class RelayDied(TransportError):
-    """The relay's process is gone."""
+__all__ = ["RelayDied", "RelayProcess"]
 
 
 def _picklable(e: BaseException) -> BaseException:
@@ -58,19 +55,14 @@ def _serve(conn: Any, spec: dict[str, Any]) -> None:
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
-        relay = NodeRelay(spec["relay_id"], spec["node"])
-        on_commit = None
-        if spec.get("shm_dir"):
-            from laminar_core.relay.shm import SharedVersionStore
-
-            store = SharedVersionStore(spec["shm_dir"], spec["relay_id"])
-
-            def on_commit(r: NodeRelay) -> asyncio.Future:  # write off the event loop
-                return loop.run_in_executor(None, store.write, r.read())
-
         transport: WeightTransport = spec["transport_factory"]()
-        host = RelayHost(
-            relay, transport, spec["rank"], die_at=spec.get("die_at"), on_commit=on_commit
+        server = RelayServer(
+            spec["relay_id"],
+            spec["node"],
+            spec["rank"],
+            transport,
+            shm_root=spec.get("shm_dir"),
+            die_at=spec.get("die_at"),
         )
         stop = asyncio.Event()
         send_lock = threading.Lock()
@@ -84,14 +76,7 @@ def _serve(conn: Any, spec: dict[str, Any]) -> None:
 
         async def handle(rid: int, method: str, args: tuple) -> None:
             try:
-                if method == "offer_manifest":
-                    args = (manifest_from_json(args[0]), *args[1:])
-                if method == "expect_layout":
-                    relay.expect_layout(args[0])
-                    value = None
-                else:
-                    value = await getattr(host, method)(*args)
-                reply((rid, True, value))
+                reply((rid, True, await server.call(method, *args)))
             except BaseException as e:
                 reply((rid, False, _picklable(e)))
             if method == "close":
@@ -115,7 +100,7 @@ def _serve(conn: Any, spec: dict[str, Any]) -> None:
     os._exit(0)  # skip interpreter teardown of transport threads
 
 
-class RelayProcess:
+class RelayProcess(RemoteRelay):
     """Driver-side handle to a relay hosted in a spawned process (see module docstring).
 
     ``transport_factory`` must be picklable (a class, or ``functools.partial`` of one with its
@@ -136,8 +121,8 @@ class RelayProcess:
         env: dict[str, str] | None = None,
         log_level: int = logging.WARNING,
     ) -> None:
-        self.relay_id, self.node, self.rank = relay_id, node, rank
-        self.shm_dir = shm_dir
+        super().__init__(relay_id, node, shm_dir)
+        self.rank = rank
         parent, child = self._ctx.Pipe()
         spec = {
             "relay_id": relay_id,
@@ -158,15 +143,14 @@ class RelayProcess:
         self._ids = itertools.count()
         self._pending: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._lock = threading.Lock()
-        self._dead = False
         threading.Thread(target=self._reader, daemon=True).start()
 
     @property
     def pid(self) -> int | None:
         return self._proc.pid
 
-    def is_alive(self) -> bool:
-        return not self._dead and self._proc.is_alive()
+    def _alive(self) -> bool:
+        return self._proc.is_alive()
 
     def _reader(self) -> None:
         while True:
@@ -179,7 +163,7 @@ class RelayProcess:
             if entry is not None:
                 loop, fut = entry
                 loop.call_soon_threadsafe(_settle, fut, ok, value)
-        self._dead = True
+        self._died(f"process {self._proc.pid} exited")
         with self._lock:
             pending, self._pending = self._pending, {}
         err = RelayDied(f"relay {self.relay_id} (pid {self._proc.pid}) died")
@@ -187,8 +171,7 @@ class RelayProcess:
             loop.call_soon_threadsafe(_settle, fut, False, err)
 
     async def _call(self, method: str, *args: Any) -> Any:
-        if self._dead:
-            raise RelayDied(f"relay {self.relay_id} is dead")
+        self._check()
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         rid = next(self._ids)
@@ -199,45 +182,13 @@ class RelayProcess:
         except (OSError, EOFError, BrokenPipeError) as e:
             with self._lock:
                 self._pending.pop(rid, None)
+            self._died(e)
             raise RelayDied(f"relay {self.relay_id} is unreachable: {e}") from e
         return await fut
 
-    # --- the RelayHost surface -------------------------------------------------------------------
-
-    async def open(self) -> Any:
-        return await self._call("open")
-
-    async def connect(self, peers: dict[int, Any]) -> None:
-        await self._call("connect", peers)
-
-    async def receive(
-        self, version: int, count: int, pred: int, nxt: int | None, attempt: int = 0
-    ) -> int:
-        return await self._call("receive", version, count, pred, nxt, attempt)
-
-    async def offer_manifest(self, manifest: WeightManifest, attempt: int = 0) -> None:
-        await self._call("offer_manifest", manifest_to_json(manifest), attempt)
-
-    async def drain(self, version: int) -> None:
-        await self._call("drain", version)
-
-    async def cancel(self, version: int, attempt: int = 0) -> None:
-        await self._call("cancel", version, attempt)
-
-    async def serve(self, version: int, nxt: int) -> None:
-        await self._call("serve", version, nxt)
-
-    async def probe(self, pred: int, count: int) -> None:
-        await self._call("probe", pred, count)
-
-    async def status(self) -> int:
-        return await self._call("status")
-
-    async def expect_layout(self, specs: list[tuple[str, tuple[int, ...], str]]) -> None:
-        await self._call("expect_layout", specs)
-
     async def close(self, timeout_s: float = 10.0) -> None:
         """Close the transport in the child and wait for it to exit (kill it if it hangs)."""
+        self._closed = True
         if self.is_alive():
             with contextlib.suppress(TimeoutError, RelayDied):
                 await asyncio.wait_for(self._call("close"), timeout_s)
@@ -250,7 +201,7 @@ class RelayProcess:
         if self._proc.pid is not None and self._proc.is_alive():
             os.kill(self._proc.pid, signal.SIGKILL)
         self._proc.join(10)
-        self._dead = True
+        self._died("killed")
 
 
 def _settle(fut: asyncio.Future, ok: bool, value: Any) -> None:

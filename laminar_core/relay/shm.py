@@ -8,10 +8,10 @@ end), ``v<version>.json`` (the manifest) and ``current`` (the newest complete ve
 The last ``keep`` versions stay on disk so a reader that just read the pointer can still
 open its file; a file already mapped survives deletion.
 
-``SharedWeights(root, relay_id, version)`` is what a driver hands a replica instead of
-tensors: a small picklable reference that maps exactly that version when the replica iterates
-it (in the replica's own process), so the weights never cross the network or Ray's object
-store on their way from the node's relay to its rollouts.
+``SharedWeights(root, relay_id, version)`` (``laminar_core.interfaces.weights``) is what a
+driver hands a replica instead of tensors: a small picklable reference that maps exactly that
+version when the replica iterates it (in the replica's own process), so the weights never
+cross the network or Ray's object store on their way from the node's relay to its rollouts.
 """
 
 from __future__ import annotations
@@ -22,16 +22,27 @@ import os
 import shutil
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from laminar_core.interfaces.weights import SharedVersionGone, SharedWeights
 from laminar_core.relay.node import VersionData
 from laminar_core.relay.wire import manifest_from_json, manifest_to_json
 from laminar_core.types import WeightManifest
 
 DEFAULT_SHM_ROOT = "/dev/shm/laminar"
+
+__all__ = [
+    "DEFAULT_SHM_ROOT",
+    "SharedVersionGone",
+    "SharedVersionStore",
+    "SharedWeights",
+    "load_shared",
+    "relay_dir",
+    "remove_shared",
+    "shared_version",
+]
 
 
 def _dir(root: str | os.PathLike, relay_id: int) -> Path:
@@ -80,11 +91,6 @@ def shared_version(root: str | os.PathLike, relay_id: int) -> int:
         return int((_dir(root, relay_id) / "current").read_text())
     except FileNotFoundError:
         return -1
-
-
-class SharedVersionGone(LookupError):
-    """The relay's shared memory no longer holds the version asked for (newer ones replaced
-    it); load the relay's current version instead."""
 
 
 def relay_dir(root: str | os.PathLike, relay_id: int) -> Path:
@@ -158,32 +164,3 @@ def load_shared(
             yield spec.name, raw.view(dtype).reshape(spec.shape)
 
     return manifest, gen()
-
-
-@dataclass(frozen=True)
-class SharedWeights:
-    """Exactly ``version`` of relay ``relay_id``'s shared weights under ``root``, as an
-    iterable of ``(name, tensor)`` that maps the file only when iterated.
-
-    A driver gives this to a replica's ``update_weights`` in place of tensors (it pickles to
-    a few bytes); the replica's process iterates it and gets copy-on-write views of the
-    node's file. It loads that version or fails: a version the relay does not share yet
-    raises ``LookupError``, one already replaced by newer versions raises
-    ``SharedVersionGone``; it never loads another version in its place, because the caller
-    records the version it asked for as the one the replica holds. The error comes before
-    the first tensor, so the engine's weights are untouched.
-    """
-
-    root: str
-    relay_id: int
-    version: int
-    node_local = True  # a reference any process on the node can load: pass it on, as is
-
-    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        _manifest, tensors = load_shared(self.root, self.relay_id, version=self.version)
-        return tensors
-
-    @property
-    def path(self) -> Path:
-        """The version's file (the buckets end to end)."""
-        return _dir(self.root, self.relay_id) / f"v{self.version}.bin"

@@ -30,10 +30,10 @@ def decode_bucket_header(raw: bytes | bytearray | memoryview) -> tuple[int, int,
     (``payload_len`` is -1 when no bytes follow)."""
     if len(raw) != HEADER_BYTES:
         raise ValueError(f"bucket header must be {HEADER_BYTES} bytes (got {len(raw)})")
-    version, index, nbytes, crc, payload = _HEADER.unpack(bytes(raw))
+    version, index, nbytes, digest, payload = _HEADER.unpack(bytes(raw))
     if nbytes < 0 or payload < -1:
         raise ValueError(f"corrupt bucket header ({nbytes} bytes, payload {payload})")
-    return version, index, nbytes, crc, payload
+    return version, index, nbytes, digest, payload
 
 
 def manifest_to_json(manifest: WeightManifest) -> str:

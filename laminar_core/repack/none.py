@@ -8,11 +8,14 @@ from laminar_core.types import Move, ReplicaState
 
 
 class NoRepack(RepackPolicy):
+    """Never moves anything: ``plan`` always returns ``[]``, and the rollout manager, seeing
+    ``active`` False, runs no repack loop (no snapshots of the replicas are taken)."""
+
+    active = False
+
     @classmethod
     def from_config(cls, ctx: BuildContext) -> NoRepack:
         return cls()
-
-    """Never moves anything: ``plan`` always returns ``[]``."""
 
     def plan(self, replicas: list[ReplicaState]) -> list[Move]:
         return []

@@ -1,50 +1,54 @@
-"""What runs inside the Ray actors: one engine per actor, built from the plugin registry.
+"""What runs inside the trainer and replica actors: one engine per actor, from the registry.
 
 The actor gets the resolved config as YAML (plain text crosses processes cleanly), builds its
 engine with the same ``BuildContext`` the local runtime uses, and forwards calls to it.
 Nothing here knows the loop; the driver-side proxies (``runtime.proxies``) make these actors
-look like ordinary engines to the controller and the rollout manager.
+look like a ``RolloutEngine`` and a ``TrainerGroup`` to the controller and the manager.
 """
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from laminar_core.config.loader import resolve
-from laminar_core.interfaces import BuildContext, TrainerContext, build
+from laminar_core.interfaces import BuildContext, TensorWeights, TrainerContext, build
 from laminar_core.plugins import default_manager
+from laminar_core.plugins.resolve import resolve
+from laminar_core.runtime.ray_calls import limit_threads
 
 
-def _engine(config_yaml: str, section: str, kind: str, index: int, name: str, gpus: int) -> Any:
+def _engine(config_yaml: str, kind: str, index: int, name: str, gpus: int) -> Any:
     import yaml
 
     resolved = resolve(yaml.safe_load(config_yaml), source="driver")
     cfg = resolved.cfg
     engine_name = cfg.rollout.engine if kind == "rollout" else cfg.trainer.engine
     factory = default_manager().get(kind, engine_name)
-    ctx = BuildContext(cfg, resolved.engine_options.get(section), index, name, gpus, {})
+    ctx = BuildContext(cfg, resolved.engine_options.get(kind), index, name, gpus, {})
     return build(factory, ctx), resolved
-
-
-def _threads() -> None:
-    # Ray gives each worker the node's full CPU count by default; with several engines on
-    # one small machine that oversubscription makes torch many times slower.
-    n = int(os.environ.get("OMP_NUM_THREADS", "1") or 1)
-    torch.set_num_threads(max(1, n))
 
 
 class RolloutHost:
     """A rollout replica's actor: ``call(method, *args)`` forwards to the engine."""
 
     def __init__(self, config_yaml: str, index: int, name: str, gpus: int) -> None:
-        _threads()
-        self.engine, _ = _engine(config_yaml, "rollout", "rollout", index, name, gpus)
+        limit_threads()
+        self.engine, _ = _engine(config_yaml, "rollout", index, name, gpus)
 
     async def call(self, method: str, *args: Any) -> Any:
         return await getattr(self.engine, method)(*args)
+
+    def shm_files(self) -> list[str]:
+        """Shared-memory files (``/dev/shm``) this actor's engine processes have mapped: what
+        a replica killed without a goodbye leaves behind (vLLM's message queues)."""
+        return shm_files_of(os.getpid())
+
+    async def load(self, version: int, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        """``update_weights`` with tensors that came through Ray's object store."""
+        await self.engine.update_weights(TensorWeights(version, tensors))
 
     def node_id(self) -> str:
         import ray
@@ -57,14 +61,25 @@ class TrainerHost:
     returns the tensors from rank 0 only."""
 
     def __init__(self, config_yaml: str, rank: int, world: int, gpus: int) -> None:
-        _threads()
+        limit_threads()
         self.rank, self.world = rank, world
-        self.engine, resolved = _engine(config_yaml, "trainer", "trainer", rank, "trainer", gpus)
+        self.engine, resolved = _engine(config_yaml, "trainer", rank, "trainer", gpus)
         self.cfg = resolved.cfg
         self.options = resolved.engine_options.get("trainer")
 
+    def ping(self) -> bool:
+        return True
+
     def rendezvous(self) -> str:
-        return rendezvous()
+        """``tcp://ip:port`` on this node for torch.distributed's rendezvous (rank 0)."""
+        import socket
+
+        import ray
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return f"tcp://{ray.util.get_node_ip_address()}:{port}"
 
     async def setup(self, init_method: str, options: dict) -> None:
         ctx = TrainerContext(
@@ -79,22 +94,44 @@ class TrainerHost:
     async def call(self, method: str, *args: Any) -> Any:
         return await getattr(self.engine, method)(*args)
 
-    def export(self) -> list[tuple[str, torch.Tensor]] | None:
-        tensors = self.engine.export_weights()
+    async def export(self) -> list[tuple[str, torch.Tensor]] | None:
         if self.rank == 0:
-            return list(tensors)
-        for _ in tensors:  # the other ranks take part in every all-gather, keep nothing
+            return [item async for item in self.engine.export_weights()]
+        async for _ in self.engine.export_weights():  # take part in every gather, keep nothing
             pass
         return None
 
 
-def rendezvous() -> str:
-    """``tcp://ip:port`` on this node for torch.distributed's rendezvous (rank 0's actor)."""
-    import socket
+def shm_files_of(pid: int) -> list[str]:
+    """``/dev/shm`` files mapped by process ``pid`` and its descendants (from /proc)."""
+    import psutil
 
-    import ray
+    try:
+        procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    except psutil.Error:
+        return []
+    found: set[str] = set()
+    for p in procs:
+        try:
+            maps = Path(f"/proc/{p.pid}/maps").read_text()
+        except OSError:
+            continue
+        for line in maps.splitlines():
+            path = line.split(maxsplit=5)[-1] if line.count(" ") >= 5 else ""
+            # already unlinked (its owner cleaned up), or a relay's version (its own cleanup)
+            ours = path.startswith("/dev/shm/") and not path.startswith("/dev/shm/laminar")
+            if ours and not path.endswith("(deleted)"):
+                found.add(path)
+    return sorted(found)
 
-    with socket.socket() as s:
-        s.bind(("", 0))
-        port = s.getsockname()[1]
-    return f"tcp://{ray.util.get_node_ip_address()}:{port}"
+
+def remove_files(paths: list[str]) -> int:
+    """Unlink ``paths`` that still exist; how many were removed."""
+    removed = 0
+    for p in paths:
+        try:
+            os.unlink(p)
+            removed += 1
+        except OSError:
+            pass
+    return removed

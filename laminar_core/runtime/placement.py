@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from laminar_core.config.schema import LaminarConfig
@@ -17,6 +19,14 @@ class Placement:
     nodes: int  # rollout nodes, one relay each
     replica_node: tuple[int, ...]
     colocated: bool
+
+    def on_nodes(self, node_of_replica: Sequence[str]) -> Placement:
+        """This placement with the nodes where a cluster actually put the replicas (one
+        id per replica, any hashable node name): node ``n`` is the ``n``-th distinct one."""
+        index = {n: i for i, n in enumerate(dict.fromkeys(node_of_replica))}
+        return dataclasses.replace(
+            self, nodes=len(index), replica_node=tuple(index[n] for n in node_of_replica)
+        )
 
 
 def plan_placement(

@@ -2,23 +2,28 @@
 
 ``RayRolloutEngine`` is a ``RolloutEngine`` whose every method awaits the replica's actor; a
 dead actor surfaces as ``ReplicaFailure``, which the rollout manager already handles
-(redirect in-flight trajectories, carry on). ``RayTrainerGroup`` is one ``TrainerEngine``
-standing for all ranks of an SPMD group: each call runs on every rank at once (FSDP's
-collectives need them all) and answers with rank 0's result.
+(redirect in-flight trajectories, carry on). ``RayTrainerGroup`` is the ``TrainerGroup`` of
+rank actors: each call runs on every rank at once (FSDP's collectives need them all) and
+answers with rank 0's result.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Iterable
 from typing import Any
 
 import ray
-import torch
-from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
 
-from laminar_core.interfaces import ReplicaFailure, RolloutEngine, TrainerContext, TrainerEngine
+from laminar_core.interfaces import (
+    ReplicaFailure,
+    RolloutEngine,
+    TensorWeights,
+    TrainerFailure,
+    WeightsRef,
+)
+from laminar_core.relay.tier import PublishResult, RelayTier
+from laminar_core.runtime.ray_calls import ACTOR_GONE, RayTaskError, engine_error
 from laminar_core.types import (
     EngineStats,
     GenerationRequest,
@@ -27,24 +32,31 @@ from laminar_core.types import (
     Trajectory,
 )
 
-_GONE = (ActorDiedError, ActorUnavailableError, RayActorError)
-
 
 class RayRolloutEngine(RolloutEngine):
+    """A replica actor as a ``RolloutEngine``. ``shm_files`` lists the shared-memory files
+    its engine mapped once started (the runtime removes them if the actor dies without a
+    goodbye)."""
+
     def __init__(self, replica_id: str, handle: Any) -> None:
         self.replica_id = replica_id
         self.handle = handle
+        self.shm_files: list[str] = []
 
-    async def _call(self, method: str, *args: Any) -> Any:
+    async def _remote(self, call: Any) -> Any:
         try:
-            return await self.handle.call.remote(method, *args)
-        except _GONE as e:
+            return await call
+        except ACTOR_GONE as e:
             raise ReplicaFailure(f"replica {self.replica_id}: actor gone ({e})") from e
         except RayTaskError as e:
-            raise _cause(e) from None
+            raise engine_error(e) from None
+
+    async def _call(self, method: str, *args: Any) -> Any:
+        return await self._remote(self.handle.call.remote(method, *args))
 
     async def start(self) -> None:
         await self._call("start")
+        self.shm_files = await self._remote(self.handle.shm_files.remote())
 
     async def generate(self, request: GenerationRequest) -> Trajectory:
         return await self._call("generate", request)
@@ -55,18 +67,16 @@ class RayRolloutEngine(RolloutEngine):
     async def partials(self, traj_ids: list[str] | None = None) -> list[PartialTrajectory]:
         return await self._call("partials", traj_ids)
 
-    async def update_weights(
-        self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]] | None
-    ) -> None:
-        if getattr(named_tensors, "node_local", False):
-            # a reference to the replica's node relay's shared memory (``SharedWeights``):
-            # a few bytes here, the replica maps the weights on its own node
-            await self._call("update_weights", version, named_tensors)
+    async def update_weights(self, weights: WeightsRef) -> None:
+        if isinstance(weights, TensorWeights):
+            # Relays in the driver: one object in Ray's shared-memory store per version and
+            # replica; the actor maps it.
+            ref = ray.put(list(weights))
+            await self._remote(self.handle.load.remote(weights.version, ref))
             return
-        # Driver-side relays: one object in Ray's shared-memory store per version and
-        # replica; the actor maps it.
-        tensors = None if named_tensors is None else ray.put(list(named_tensors))
-        await self._call("update_weights", version, tensors)
+        # a node relay's shared memory (a few bytes: the replica maps the weights on its
+        # own node), or a version without tensors
+        await self._call("update_weights", weights)
 
     async def stats(self) -> EngineStats:
         return await self._call("stats")
@@ -76,53 +86,76 @@ class RayRolloutEngine(RolloutEngine):
             await self._call("stop")
 
 
-class RayTrainerGroup(TrainerEngine):
-    """All ranks of one trainer group behind a single engine."""
+_COLLECTIVE_ERRORS = ("gloo", "nccl", "connection closed", "connection reset", "timed out")
+
+
+def _collective_error(e: BaseException) -> bool:
+    text = f"{type(e).__name__}: {e}".lower()
+    return isinstance(e, RuntimeError | ConnectionError) and any(
+        m in text for m in _COLLECTIVE_ERRORS
+    )
+
+
+class RayTrainerGroup:
+    """All ranks of one trainer group (``loop.trainer_group.TrainerGroup``). A rank whose
+    actor is gone fails the call with ``TrainerFailure`` (the controller restarts the group);
+    an engine's own exception surfaces as itself."""
 
     def __init__(self, handles: list[Any], init_method: str, options: dict) -> None:
         self.handles = handles
         self.init_method = init_method
         self.options = options
 
-    async def _all(self, method: str, *args: Any) -> list[Any]:
+    async def _all(self, calls: list[Any]) -> list[Any]:
         try:
-            return await asyncio.gather(*(h.call.remote(method, *args) for h in self.handles))
+            return await asyncio.gather(*calls)
+        except ACTOR_GONE as e:
+            raise TrainerFailure(f"a trainer rank is gone: {e}") from e
         except RayTaskError as e:
-            raise _cause(e) from None
+            cause = engine_error(e)
+            # A rank that died takes its peers' collectives down with it, often before Ray
+            # reports the death: a failed call with a dead rank, or a collective's own error
+            # (a peer's connection closed, a timeout), is the group's failure.
+            if not await self._all_alive() or _collective_error(cause):
+                raise TrainerFailure(f"the trainer group broke: {cause}") from cause
+            raise cause from None
 
-    async def setup(self, ctx: TrainerContext | None = None) -> None:
+    async def _all_alive(self, timeout_s: float = 10.0) -> bool:
         try:
-            await asyncio.gather(
-                *(h.setup.remote(self.init_method, self.options) for h in self.handles)
+            await asyncio.wait_for(
+                asyncio.gather(*(h.ping.remote() for h in self.handles)), timeout_s
             )
-        except RayTaskError as e:
-            raise _cause(e) from None
+            return True
+        except Exception:
+            return False
+
+    async def _call(self, method: str, *args: Any) -> list[Any]:
+        return await self._all([h.call.remote(method, *args) for h in self.handles])
+
+    async def setup(self) -> None:
+        await self._all([h.setup.remote(self.init_method, self.options) for h in self.handles])
 
     async def compute_logprobs(self, batch: TrainBatch) -> list[list[float]]:
         ref = ray.put(batch)
-        per_rank = await self._all("compute_logprobs", ref)
+        per_rank = await self._call("compute_logprobs", ref)
         # each rank fills the trajectories it owns; the rest are empty lists
         return [next((r[i] for r in per_rank if r[i]), []) for i in range(len(per_rank[0]))]
 
     async def train_step(self, batch: TrainBatch) -> dict[str, float]:
         ref = ray.put(batch)  # one copy in the object store, read by every rank
-        return (await self._all("train_step", ref))[0]
+        return (await self._call("train_step", ref))[0]
 
-    async def export_weights(self) -> list[tuple[str, torch.Tensor]]:  # type: ignore[override]
-        results = await asyncio.gather(*(h.export.remote() for h in self.handles))
-        return results[0]
+    async def publish(self, version: int, tier: RelayTier) -> PublishResult:
+        # Rank 0's export reaches the driver through Ray's object store and the driver
+        # pushes it; a list, so a master relay that dies mid-push gets it replayed.
+        exported = (await self._all([h.export.remote() for h in self.handles]))[0]
+        return await tier.publish(version, lambda: exported)
 
     async def save_checkpoint(self, directory: str) -> None:
-        await self._all("save_checkpoint", directory)
+        await self._call("save_checkpoint", directory)
 
     async def load_checkpoint(self, directory: str) -> None:
-        await self._all("load_checkpoint", directory)
+        await self._call("load_checkpoint", directory)
 
     async def close(self) -> None:
-        await self._all("close")
-
-
-def _cause(e: RayTaskError) -> BaseException:
-    """The engine's own exception, so messages name the cause, not Ray's wrapper."""
-    cause = getattr(e, "cause", None)
-    return cause if isinstance(cause, BaseException) else e
+        await self._call("close")

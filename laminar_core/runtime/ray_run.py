@@ -3,10 +3,12 @@ as Ray actors.
 
 With no ``runtime.address`` a local cluster starts in this process (``ray.init()``: the
 embedded default, one laptop or CI); ``auto`` or ``ray://host:port`` joins a running one.
-One placement group reserves a bundle per trainer rank and per replica (CPUs/GPUs from
-``runtime.*``). The driver runs the controller, the rollout manager and the buffers, and
-talks to the actors through the proxies in ``runtime.proxies``: the loop code is the same one
-the local runtime and the simulator run.
+One placement group reserves a bundle per trainer rank and per replica: CPUs from
+``runtime.cpus_per_*``; with ``runtime.device`` cuda (``auto``: when the cluster has GPUs)
+one GPU per trainer rank and ``cluster.gpus_per_replica`` per replica. The driver runs the
+controller, the rollout manager and the buffers, and talks to the actors through the
+proxies in ``runtime.proxies``: the loop code is the same one the local runtime and the
+simulator run.
 
 Relays: with a real ``relay.transport`` (``nccl``, ``rdma``) each Ray node that hosts
 replicas gets a relay actor (``runtime.relay_actor``, ``num_cpus=0``, pinned to the node)
@@ -22,28 +24,30 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import logging
 import os
 import shutil
 import uuid
 from pathlib import Path
+from typing import Any
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from laminar_core.config.loader import ResolvedConfig, make_schedule
-from laminar_core.interfaces import BuildContext, build
+from laminar_core.config.loader import ResolvedConfig
+from laminar_core.interfaces import RolloutEngine, build
+from laminar_core.loop.trainer_group import TrainerGroup
 from laminar_core.models import model_dir
-from laminar_core.plugins import PluginManager, default_manager
+from laminar_core.relay.node import NodeRelay
 from laminar_core.relay.tier import RelayTier
-from laminar_core.relay.view import SharedRelayView
 from laminar_core.runtime.hosts import RolloutHost, TrainerHost
-from laminar_core.runtime.local import LocalRun, assemble, relay_tier_options
-from laminar_core.runtime.placement import Placement, plan_placement
 from laminar_core.runtime.proxies import RayRolloutEngine, RayTrainerGroup
-from laminar_core.runtime.relay_actor import spawn_relay
+from laminar_core.runtime.relay_actor import RayRelay, relay_actor, spawn_relay
+from laminar_core.runtime.run import Run, Started
+from laminar_core.runtime.wiring import RunSpec, assemble, relay_tier_options
 from laminar_core.tasks import build_prompts, build_reward
 
 # Transports whose endpoints only work inside one process: their relays stay in the driver.
@@ -63,22 +67,20 @@ class RuntimeStartError(RuntimeError):
     """The cluster could not host the run (resources, an actor that failed to start)."""
 
 
-def init_ray(resolved: ResolvedConfig, needed_cpus: float) -> None:
-    """Join ``runtime.address`` or start a local cluster sized for the run (idempotent)."""
+def init_ray(resolved: ResolvedConfig, needed_cpus: float) -> bool:
+    """Join ``runtime.address`` or start a local cluster sized for the run (idempotent);
+    True if this call started a local cluster (the run then shuts it down at the end)."""
     if ray.is_initialized():
-        return
+        return False
     rt = resolved.cfg.runtime
     env = {k: os.environ.get(k, v) for k, v in WORKER_ENV.items()}
-    kwargs = {"runtime_env": {"env_vars": env}, "logging_level": logging.WARNING}
+    kwargs: dict[str, Any] = {"runtime_env": {"env_vars": env}, "logging_level": logging.WARNING}
     if rt.address:
         ray.init(address=rt.address, **kwargs)
-    else:
-        cpus = rt.num_cpus or max(int(needed_cpus + 0.999), os.cpu_count() or 1)
-        ray.init(num_cpus=cpus, include_dashboard=False, **kwargs)
-
-
-def _bundle(cpus: float, gpus: float) -> dict[str, float]:
-    return {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
+        return False
+    cpus = rt.num_cpus or max(int(needed_cpus + 0.999), os.cpu_count() or 1)
+    ray.init(num_cpus=cpus, include_dashboard=False, **kwargs)
+    return True
 
 
 def load_tokenizer(resolved: ResolvedConfig):
@@ -89,181 +91,295 @@ def load_tokenizer(resolved: ResolvedConfig):
     return AutoTokenizer.from_pretrained(str(path))
 
 
-async def build_ray_run(
-    resolved: ResolvedConfig,
-    run_dir: Path | None = None,
-    pm: PluginManager | None = None,
-    schedule_spec: str | None = None,
-) -> LocalRun:
-    """Start the actors, set the trainer group up, and wire the loop around them.
-
-    Call ``await shutdown_ray_run(run)`` when done (it kills the actors and frees the
-    placement group; the cluster itself stays up for the next run).
-    """
-    pm = pm or default_manager()
-    cfg, rt = resolved.cfg, resolved.cfg.runtime
-    schedule = make_schedule(schedule_spec or cfg.schedule, cfg, pm)
-    # real engines do not offload to time-share a device: every schedule is disaggregated
-    place = plan_placement(cfg, schedule, allow_colocate=False)
-    world = place.trainer_gpus
-    needed = world * rt.cpus_per_trainer + place.replicas * rt.cpus_per_replica
-    tokenizer = load_tokenizer(resolved)
-    dataset, report = build_prompts(resolved, tokenizer, pm)
-    reward_fn = build_reward(resolved, tokenizer, pm)
-    init_ray(resolved, needed)
-
-    bundles = [_bundle(rt.cpus_per_trainer, rt.gpus_per_trainer)] * world + [
-        _bundle(rt.cpus_per_replica, rt.gpus_per_replica)
-    ] * place.replicas
-    pg = placement_group(bundles, strategy=rt.placement_strategy)
-    try:
-        await _with_timeout(pg.ready(), rt.start_timeout_s)
-    except TimeoutError as e:
-        remove_placement_group(pg)
-        gpus = world * rt.gpus_per_trainer + place.replicas * rt.gpus_per_replica
-        raise RuntimeStartError(
-            f"the Ray cluster cannot place {world} trainer rank(s) and {place.replicas} "
-            f"replica(s) ({needed:g} CPUs, {gpus:g} GPUs) within {rt.start_timeout_s:g}s; "
-            f"available: {ray.available_resources()}. "
-            "Lower cluster.gpus / runtime.cpus_per_* or add nodes."
-        ) from e
-
-    def at(i: int) -> PlacementGroupSchedulingStrategy:
-        return PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)
-
-    config_yaml = resolved.to_yaml()
-    trainer_actor = ray.remote(TrainerHost)
-    trainers = [
-        trainer_actor.options(
-            num_cpus=rt.cpus_per_trainer, num_gpus=rt.gpus_per_trainer, scheduling_strategy=at(r)
-        ).remote(config_yaml, r, world, int(rt.gpus_per_trainer))
-        for r in range(world)
-    ]
-    rollout_actor = ray.remote(RolloutHost)
-    replicas = [
-        rollout_actor.options(
-            num_cpus=rt.cpus_per_replica,
-            num_gpus=rt.gpus_per_replica,
-            scheduling_strategy=at(world + i),
-            max_concurrency=1 << 16,  # one generate call per in-flight trajectory
-        ).remote(config_yaml, i, f"r{i}", cfg.cluster.gpus_per_replica)
-        for i in range(place.replicas)
-    ]
-    try:
-        nodes = await _with_timeout(
-            asyncio.gather(*(h.node_id.remote() for h in replicas)), rt.start_timeout_s
-        )
-        init = await trainers[0].rendezvous.remote()
-    except Exception as e:
-        _kill(trainers + replicas, pg)
-        raise RuntimeStartError(f"an actor failed to start: {e}") from e
-    relay_of = {n: i for i, n in enumerate(dict.fromkeys(nodes))}
-    place = Placement(
-        place.trainer_gpus,
-        place.rollout_gpus,
-        place.replicas,
-        len(relay_of),
-        tuple(relay_of[n] for n in nodes),
-        place.colocated,
-    )
-    group = RayTrainerGroup(trainers, init, {"seed": cfg.run.seed})
-    engines = [RayRolloutEngine(f"r{i}", h) for i, h in enumerate(replicas)]
-    ray_state: dict = {"actors": trainers + replicas, "pg": pg, "relays": [], "shm_root": None}
-    tier = views = None
-    if cfg.relay.transport not in DRIVER_TRANSPORTS:
-        tier, views = _relay_actors(resolved, config_yaml, list(relay_of), ray_state, pm)
-    try:
-        await asyncio.gather(group.setup(), _relays_ready(ray_state, rt.start_timeout_s))
-    except Exception as e:
-        _kill(ray_state["actors"], pg)
-        _remove_shm(ray_state)
-        raise RuntimeStartError(f"the trainer group or a relay failed to start: {e}") from e
-    run = assemble(
-        resolved,
-        schedule,
-        place,
-        [group],
-        engines,
-        pm,
-        {"ray": ray_state, "data_report": report},
-        dataset=dataset,
-        run_dir=run_dir,
-        reward_fn=reward_fn,
-        tier=tier,
-        relays=views,
-    )
-    return run
-
-
-def _relay_actors(
-    resolved: ResolvedConfig,
-    config_yaml: str,
-    node_ids: list[str],
-    ray_state: dict,
-    pm: PluginManager,
-) -> tuple[RelayTier, list[SharedRelayView]]:
-    """One relay actor per node (in ``node_ids`` order: relay ``i`` is chain rank ``i + 1``),
-    the driver's trainer endpoint, the tier over them, and one view per relay."""
-    cfg = resolved.cfg
-    # run-unique, so two runs on one node never share (or delete) each other's versions
-    shm_root = str(Path(cfg.relay.shm_dir) / f"{cfg.run.name}-{os.getpid()}-{next(_runs)}")
-    shm_root += f"-{uuid.uuid4().hex[:6]}"
-    ray_state["shm_root"] = shm_root
-    hosts, views = [], []
-    for i, node_id in enumerate(node_ids):
-        host = spawn_relay(config_yaml, i, i, i + 1, shm_root, node_id)
-        ray_state["actors"].append(host.handle)
-        view = SharedRelayView(i, i, shm_root, host.is_alive)
-        host.on_committed.append(view.committed)  # replicas stop admitting old work
-        hosts.append(host)
-        views.append(view)
-    ray_state["relays"] = hosts
-    trainer_transport = build(
-        pm.get("transport", cfg.relay.transport),
-        BuildContext(cfg, resolved.engine_options.get("relay"), 0, "trainer", 1, {}),
-    )
-    tier = RelayTier(
-        hosts=hosts,
-        trainer_transport=trainer_transport,
-        calibrate=cfg.relay.calibrate,
-        **relay_tier_options(resolved),
-    )
-    # committed and shared on its node: replicas there may load it
-    tier.on_ready.append(lambda rank, version: views[rank - 1].advance(version))
-    return tier, views
-
-
-async def _relays_ready(ray_state: dict, timeout_s: float) -> None:
-    hosts = ray_state["relays"]
-    if hosts:
-        await _with_timeout(asyncio.gather(*(h.handle.node_id.remote() for h in hosts)), timeout_s)
-
-
-def shutdown_ray_run(run: LocalRun) -> None:
-    """Kill the run's actors, free its placement group, and delete what its relays shared
-    on this node (a relay that closes deletes its own; one that was killed cannot)."""
-    got = run.shared.get("ray")
-    if got:
-        _kill(got["actors"], got["pg"])
-        _remove_shm(got)
-
-
-def _remove_shm(ray_state: dict) -> None:
-    root = ray_state.get("shm_root")
-    if root:
-        shutil.rmtree(root, ignore_errors=True)
-
-
-def _kill(actors: list, pg) -> None:
-    for a in actors:
-        with contextlib.suppress(Exception):  # already gone
-            ray.kill(a)
-    with contextlib.suppress(Exception):
-        remove_placement_group(pg)
-
-
 async def _with_timeout(aw, seconds: float):
     try:
         return await asyncio.wait_for(aw, seconds)
     except asyncio.TimeoutError as e:
         raise TimeoutError(str(e)) from e
+
+
+class RayRuntime:
+    """Starts a run's parts as Ray actors (``runtime.run.Runtime``); one object per run.
+
+    It owns what it started: ``actors`` (trainer ranks, replicas, relays), the placement
+    group ``pg``, the relay proxies ``relays`` and the run's shared-memory directory
+    ``shm_root``; ``close`` kills the actors, frees the group and deletes the directory.
+    """
+
+    recovers = True  # a failed replica, relay or trainer group is started again
+
+    def __init__(self, spec: RunSpec) -> None:
+        self.spec = spec
+        self.config_yaml = spec.resolved.to_yaml()
+        self.actors: list[Any] = []
+        self.pg: Any = None
+        self.relays: list[RayRelay] = []
+        self.shm_root: str | None = None
+        self.gpu = False  # whether bundles reserve GPUs (runtime.device)
+        self.trainer_handles: list[Any] = []
+        self.replica_handles: list[Any] = []
+        self.replica_engines: list[RayRolloutEngine] = []  # the proxies, per replica
+        self.replica_nodes: list[str] = []  # Ray node id per replica
+        self.relay_nodes: list[str] = []  # Ray node id per relay
+        self.own_cluster = False  # this run started the local Ray cluster: it ends with it
+
+    # --- start ---------------------------------------------------------------------------------
+
+    def _bundles(self) -> tuple[list[dict[str, float]], float, float]:
+        cfg = self.spec.resolved.cfg
+        rt, place = cfg.runtime, self.spec.placement
+        device = rt.device
+        if device == "auto":
+            device = "cuda" if ray.cluster_resources().get("GPU", 0) > 0 else "cpu"
+        self.gpu = device == "cuda"
+        trainer = {"CPU": rt.cpus_per_trainer, **({"GPU": 1.0} if self.gpu else {})}
+        replica = {"CPU": rt.cpus_per_replica}
+        if self.gpu:
+            replica["GPU"] = float(cfg.cluster.gpus_per_replica)
+        bundles = [trainer] * place.trainer_gpus + [replica] * place.replicas
+        cpus = sum(b["CPU"] for b in bundles)
+        gpus = sum(b.get("GPU", 0.0) for b in bundles)
+        return bundles, cpus, gpus
+
+    async def _reserve(self) -> None:
+        rt = self.spec.resolved.cfg.runtime
+        place = self.spec.placement
+        bundles, cpus, gpus = self._bundles()
+        self.pg = placement_group(bundles, strategy=rt.placement_strategy)
+        try:
+            await _with_timeout(self.pg.ready(), rt.start_timeout_s)
+        except TimeoutError as e:
+            remove_placement_group(self.pg)
+            self.pg = None
+            raise RuntimeStartError(
+                f"the Ray cluster cannot place {place.trainer_gpus} trainer rank(s) and "
+                f"{place.replicas} replica(s) ({cpus:g} CPUs, {gpus:g} GPUs) within "
+                f"{rt.start_timeout_s:g}s; available: {ray.available_resources()}. "
+                "Lower cluster.gpus / runtime.cpus_per_* or add nodes."
+            ) from e
+
+    def _at(self, bundle: int) -> PlacementGroupSchedulingStrategy:
+        return PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle)
+
+    def _replica_actor(self, index: int) -> Any:
+        cfg = self.spec.resolved.cfg
+        world = self.spec.placement.trainer_gpus
+        actor = (
+            ray.remote(RolloutHost)
+            .options(
+                num_cpus=cfg.runtime.cpus_per_replica,
+                num_gpus=float(cfg.cluster.gpus_per_replica) if self.gpu else 0,
+                scheduling_strategy=self._at(world + index),
+                max_concurrency=1 << 16,  # one generate call per in-flight trajectory
+            )
+            .remote(self.config_yaml, index, f"r{index}", cfg.cluster.gpus_per_replica)
+        )
+        self.actors.append(actor)
+        return actor
+
+    def _trainer_actors(self) -> list[Any]:
+        rt = self.spec.resolved.cfg.runtime
+        world = self.spec.placement.trainer_gpus
+        actors = [
+            ray.remote(TrainerHost)
+            .options(
+                num_cpus=rt.cpus_per_trainer,
+                num_gpus=1 if self.gpu else 0,
+                scheduling_strategy=self._at(rank),
+            )
+            .remote(self.config_yaml, rank, world, int(self.gpu))
+            for rank in range(world)
+        ]
+        self.actors += actors
+        self.trainer_handles = actors
+        return actors
+
+    async def start(self) -> Run:
+        """Start the actors, set the trainer group up, and wire the loop around them."""
+        spec = self.spec
+        resolved, cfg = spec.resolved, spec.resolved.cfg
+        rt, place = cfg.runtime, spec.placement
+        tokenizer = load_tokenizer(resolved)
+        dataset, report = build_prompts(resolved, tokenizer, spec.pm)
+        if spec.reward_fn is None:
+            spec = dataclasses.replace(spec, reward_fn=build_reward(resolved, tokenizer, spec.pm))
+        needed = place.trainer_gpus * rt.cpus_per_trainer + place.replicas * rt.cpus_per_replica
+        self.own_cluster = init_ray(resolved, needed)
+        try:
+            await self._reserve()
+            ranks = self._trainer_actors()
+            replicas = self.replica_handles = [
+                self._replica_actor(i) for i in range(place.replicas)
+            ]
+            try:
+                nodes = await _with_timeout(
+                    asyncio.gather(*(h.node_id.remote() for h in replicas)), rt.start_timeout_s
+                )
+                init = await ranks[0].rendezvous.remote()
+            except Exception as e:
+                raise RuntimeStartError(f"an actor failed to start: {e}") from e
+            self.replica_nodes = list(nodes)
+            place = place.on_nodes(nodes)
+            trainer = RayTrainerGroup(ranks, init, {"seed": cfg.run.seed})
+            tier, relays = self._relay_tier(list(dict.fromkeys(nodes)))
+            try:
+                await asyncio.gather(trainer.setup(), self._relays_ready(rt.start_timeout_s))
+            except Exception as e:
+                raise RuntimeStartError(f"the trainer group or a relay failed to start: {e}") from e
+        except BaseException:
+            self._release()
+            if self.own_cluster:
+                ray.shutdown()
+            raise
+        engines = self.replica_engines = [
+            RayRolloutEngine(f"r{i}", h) for i, h in enumerate(replicas)
+        ]
+        started = Started(trainer, engines, tier, relays, place, dataset, report)
+        return assemble(spec, started, self)
+
+    def _relay_tier(self, node_ids: list[str]) -> tuple[RelayTier, list[Any]]:
+        """The tier and one node relay per node (in ``node_ids`` order): relay actors on a
+        real transport, else relays in the driver."""
+        spec = self.spec
+        cfg = spec.resolved.cfg
+        transport = spec.pm.get("transport", cfg.relay.transport)
+        options = relay_tier_options(spec.resolved)
+        if cfg.relay.transport in DRIVER_TRANSPORTS:
+            relays = [NodeRelay(n, n) for n in range(len(node_ids))]
+            shared: dict[str, Any] = {}
+            tier = RelayTier.in_process(
+                relays,
+                lambda rank: build(transport, spec.context("relay", rank, f"ep{rank}", 1, shared)),
+                **options,
+            )
+            return tier, relays
+        # run-unique, so two runs on one node never share (or delete) each other's versions
+        name = f"{cfg.run.name}-{os.getpid()}-{next(_runs)}-{uuid.uuid4().hex[:6]}"
+        self.shm_root = str(Path(cfg.relay.shm_dir) / name)
+        for i, node_id in enumerate(node_ids):  # relay i is chain rank i + 1
+            relay = spawn_relay(self.config_yaml, i, i, i + 1, self.shm_root, node_id)
+            self.actors.append(relay.handle)
+            self.relays.append(relay)
+            self.relay_nodes.append(node_id)
+        trainer_transport = build(transport, spec.context("relay", 0, "trainer", 1, {}))
+        tier = RelayTier(
+            list(self.relays), trainer_transport, calibrate=cfg.relay.calibrate, **options
+        )
+        return tier, list(self.relays)
+
+    async def _relays_ready(self, timeout_s: float) -> None:
+        if self.relays:
+            calls = (r.handle.node_id.remote() for r in self.relays)
+            await _with_timeout(asyncio.gather(*calls), timeout_s)
+
+    # --- stop ----------------------------------------------------------------------------------
+
+    async def close(self, run: Run) -> None:
+        with contextlib.suppress(Exception):  # a dead or broken group: the actors go anyway
+            await run.trainer.close()
+        self._release()
+        if self.own_cluster:  # its workers, raylet and GCS go with the run
+            ray.shutdown()
+            self.own_cluster = False
+
+    def _release(self) -> None:
+        """Kill the run's actors, free its placement group, and delete what its relays
+        shared on this node and what its replicas' engines left in shared memory (an engine
+        or relay that closes deletes its own; one that was killed cannot)."""
+        for a in self.actors:
+            with contextlib.suppress(Exception):  # already gone
+                ray.kill(a)
+        self.actors.clear()
+        for index in range(len(self.replica_engines)):
+            self._remove_shm(index)
+        if self.pg is not None:
+            with contextlib.suppress(Exception):
+                remove_placement_group(self.pg)
+            self.pg = None
+        if self.shm_root:
+            shutil.rmtree(self.shm_root, ignore_errors=True)
+
+    # --- recovery ------------------------------------------------------------------------------
+
+    def _kill(self, *handles: Any) -> None:
+        for h in handles:
+            with contextlib.suppress(Exception):  # already gone
+                ray.kill(h, no_restart=True)
+        self.actors = [a for a in self.actors if all(a is not h for h in handles)]
+
+    def _remove_shm(self, index: int) -> None:
+        """Remove the shared-memory files replica ``index``'s engine left (on its node)."""
+        files = self.replica_engines[index].shm_files if index < len(self.replica_engines) else []
+        if not files:
+            return
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        from laminar_core.runtime.hosts import remove_files
+
+        node = self.replica_nodes[index]
+        with contextlib.suppress(Exception):  # the node is gone: so is its /dev/shm
+            task = ray.remote(num_cpus=0)(remove_files).options(
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)
+            )
+            ray.get(task.remote(files), timeout=30)
+
+    async def restart_replica(self, run: Run, index: int) -> RolloutEngine:
+        """A new replica actor in the same placement-group bundle (the same node), started;
+        the old one is killed first (it may be hung, not dead) and what it left in shared
+        memory removed."""
+        rt = self.spec.resolved.cfg.runtime
+        self._kill(self.replica_handles[index])
+        await asyncio.to_thread(self._remove_shm, index)
+        handle = self.replica_handles[index] = self._replica_actor(index)
+        engine = self.replica_engines[index] = RayRolloutEngine(f"r{index}", handle)
+        try:
+            node = await _with_timeout(handle.node_id.remote(), rt.start_timeout_s)
+            if node != self.replica_nodes[index]:
+                raise RuntimeStartError(
+                    f"its bundle moved to another node ({node}): its node is gone"
+                )
+            await _with_timeout(engine.start(), rt.start_timeout_s)
+        except BaseException:
+            self._kill(handle)
+            raise
+        return engine
+
+    async def restart_relay(self, run: Run, relay_id: int) -> None:
+        """A new relay actor on the dead one's node, in its place in the chain, caught up to
+        the newest version (``RelayTier.rejoin``)."""
+        if self.shm_root is None:
+            raise RuntimeError("relays in the driver are not restarted")
+        relay = self.relays[relay_id]
+        self._kill(relay.handle)
+        handle = relay_actor(
+            self.config_yaml,
+            relay_id,
+            relay.node,
+            relay_id + 1,
+            self.shm_root,
+            self.relay_nodes[relay_id],
+        )
+        self.actors.append(handle)
+        try:
+            await _with_timeout(
+                handle.node_id.remote(), self.spec.resolved.cfg.runtime.start_timeout_s
+            )
+        except BaseException:
+            self._kill(handle)
+            raise
+        relay.rebind(handle)
+        await run.tier.rejoin(relay)
+
+    async def restart_trainer(self, run: Run) -> TrainerGroup:
+        """Every rank killed and started again in its bundle, set up (not restored)."""
+        rt = self.spec.resolved.cfg.runtime
+        self._kill(*self.trainer_handles)
+        ranks = self._trainer_actors()
+        try:
+            init = await _with_timeout(ranks[0].rendezvous.remote(), rt.start_timeout_s)
+            group = RayTrainerGroup(ranks, init, {"seed": self.spec.resolved.cfg.run.seed})
+            await _with_timeout(group.setup(), rt.start_timeout_s)
+        except BaseException:
+            self._kill(*ranks)
+            raise
+        return group

@@ -7,6 +7,8 @@ Run directory layout::
     RUN_DIR/events.jsonl       every recorded event (trajectories, pulls, moves, steps)
     RUN_DIR/trace.json         Chrome trace / Perfetto timeline of the same events
     RUN_DIR/tensorboard/       TensorBoard event files (telemetry.tensorboard)
+    RUN_DIR/wandb/             Weights & Biases files (telemetry.wandb, when a project is set)
+    RUN_DIR/report/            plots and index.html, written by ``laminar report RUN_DIR``
     RUN_DIR/checkpoints/       step_N/{trainer/, loop_state.json} and ``latest``
 
 ``runtime.kind=local`` builds every engine in this process (simulated engines, tests);
@@ -16,15 +18,20 @@ Run directory layout::
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import signal
 import sys
 import time
 from pathlib import Path
 
 from laminar_core.config.loader import ResolvedConfig
-from laminar_core.interfaces import TrainerContext
+from laminar_core.loop.controller import install_stop_handlers
 from laminar_core.models import model_dir
-from laminar_core.runtime.local import LocalRun, build_local_run
+from laminar_core.runtime.local import LocalRuntime
+from laminar_core.runtime.run import Run, Runtime
+from laminar_core.runtime.wiring import RunSpec
 from laminar_core.telemetry import TENSORBOARD_DIR, TensorBoardSink
+from laminar_core.telemetry.wandb import WandbSink, wandb_enabled
 
 
 class TrainError(RuntimeError):
@@ -55,36 +62,40 @@ def check_model_path(resolved: ResolvedConfig) -> None:
         raise TrainError(str(e)) from None
 
 
-async def start_run(resolved: ResolvedConfig, run_dir: Path | None) -> LocalRun:
-    """Build the run for ``runtime.kind`` and set its trainer up (not started yet)."""
-    cfg = resolved.cfg
-    if cfg.runtime.kind == "ray":
-        from laminar_core.runtime.ray_run import build_ray_run
+def make_runtime(resolved: ResolvedConfig, run_dir: Path | None = None) -> Runtime:
+    """The runtime of ``runtime.kind`` for one run of ``resolved``."""
+    if resolved.cfg.runtime.kind == "ray":
+        from laminar_core.runtime.ray_run import RayRuntime
 
-        run = await build_ray_run(resolved, run_dir=run_dir)
-    else:
-        run = build_local_run(resolved, run_dir=run_dir)
-        opts = resolved.engine_options.get("trainer")
-        ctx = TrainerContext(0, 1, opts, cfg.algorithm, {"seed": cfg.run.seed})
-        await asyncio.gather(*(t.setup(ctx) for t in run.trainers))
-    if run_dir is not None:
-        metrics = run.controller.metrics
-        if cfg.telemetry.progress:
-            metrics.on_row = _print_progress
-        if cfg.telemetry.tensorboard:
-            metrics.add_sink(TensorBoardSink(run_dir / TENSORBOARD_DIR))
-    if cfg.run.resume:
-        where = await run.controller.restore(cfg.run.resume)
-        print(f"resumed from {where} at step {run.controller.step}", flush=True)
+        return RayRuntime(RunSpec.of(resolved, run_dir=run_dir, allow_colocate=False))
+    return LocalRuntime(RunSpec.of(resolved, run_dir=run_dir))
+
+
+async def start_run(resolved: ResolvedConfig, run_dir: Path | None) -> Run:
+    """Start the run for ``runtime.kind`` (trainer set up, engines not started yet)."""
+    cfg = resolved.cfg
+    run = await make_runtime(resolved, run_dir).start()
+    try:
+        if run_dir is not None:
+            metrics = run.controller.metrics
+            if cfg.telemetry.progress:
+                metrics.on_row = _print_progress
+            if cfg.telemetry.tensorboard:
+                metrics.add_sink(TensorBoardSink(run_dir / TENSORBOARD_DIR))
+            if wandb_enabled(cfg.telemetry.wandb):
+                config = resolved.to_dict()
+                metrics.add_sink(WandbSink(cfg.telemetry.wandb, run_dir, config=config))
+        if cfg.run.resume:
+            where = await run.controller.restore(cfg.run.resume)
+            print(f"resumed from {where} at step {run.controller.step}", flush=True)
+    except BaseException:
+        await run.close()
+        raise
     return run
 
 
-async def close_run(run: LocalRun) -> None:
-    await asyncio.gather(*(t.close() for t in run.trainers), return_exceptions=True)
-    if "ray" in run.shared:
-        from laminar_core.runtime.ray_run import shutdown_ray_run
-
-        shutdown_ray_run(run)
+async def close_run(run: Run) -> None:
+    await run.close()
 
 
 def train(resolved: ResolvedConfig) -> Path:
@@ -97,24 +108,39 @@ def train(resolved: ResolvedConfig) -> Path:
     print(f"run directory: {run_dir}", flush=True)
 
     async def main() -> None:
+        loop = asyncio.get_running_loop()
+        # until the run's own handlers are in place, SIGTERM cancels the start-up cleanly
+        # (what was started is released) instead of killing the process under it
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
         try:
             run = await start_run(resolved, run_dir)
         except (FileNotFoundError, ImportError, RuntimeError, ValueError) as e:
             raise TrainError(f"the run could not start: {type(e).__name__}: {e}") from e
-        report = run.shared.get("data_report")
+        finally:
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.remove_signal_handler(signal.SIGTERM)
+        report = run.data_report
         if report is not None and report.skipped:
             print(f"data: {report.summary()}", file=sys.stderr, flush=True)
+        restore = install_stop_handlers(run.controller)
         try:
             records = await run.controller.run(resolved.cfg.run.steps)
+            if run.controller.stop_requested:
+                print(f"stopped at step {run.controller.step} (as asked)", flush=True)
             print(_summary(records), flush=True)
         except (RuntimeError, ValueError) as e:
             raise TrainError(f"the run stopped: {type(e).__name__}: {e}") from e
         finally:
+            restore()
             run.events.write_jsonl(run_dir / "events.jsonl")
             run.events.write_chrome_trace(run_dir / "trace.json")
             await close_run(run)
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    except asyncio.CancelledError:
+        raise KeyboardInterrupt from None  # SIGTERM during start-up: stopped, cleaned up
     return run_dir
 
 

@@ -13,9 +13,13 @@ import asyncio
 import heapq
 import math
 from collections import deque
-from collections.abc import Iterable
 
-from laminar_core.interfaces import BuildContext, ReplicaFailure, RolloutEngine
+from laminar_core.interfaces import (
+    BuildContext,
+    ReplicaFailure,
+    RolloutEngine,
+    WeightsRef,
+)
 from laminar_core.sim.config import SimRolloutConfig
 from laminar_core.sim.lengths import LengthModel
 from laminar_core.types import (
@@ -329,20 +333,18 @@ class SimRolloutEngine(RolloutEngine):
             reqs = [r for r in reqs if r.request.traj_id in wanted]
         return [self._partial(r) for r in reqs]
 
-    async def update_weights(self, version: int, named_tensors: Iterable | None) -> None:
+    async def update_weights(self, weights: WeightsRef) -> None:
         self._check_alive()
         if self._running or self._waiting:
             raise RuntimeError(
                 f"replica {self.replica_id}: update_weights with trajectories in flight would "
                 "mix weight versions inside one trajectory"
             )
-        if named_tensors is not None:
-            for _ in named_tensors:  # a simulated engine has no parameters to overwrite
-                pass
+        # a simulated engine has no parameters to overwrite: loading costs weight_load_s
         if self.cfg.weight_load_s > 0:
             await asyncio.sleep(self.cfg.weight_load_s)
         self._check_alive()
-        self.version = version
+        self.version = weights.version
 
     async def stats(self) -> EngineStats:
         self._check_alive()

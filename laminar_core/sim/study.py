@@ -3,6 +3,11 @@
 ``simulate_schedule`` runs one schedule and returns one result row; ``run_study`` runs every
 schedule of ``study.schedules`` at every point of ``study.sweep``. Row keys are a stable
 interface (scripts and dashboards read them): see ``RESULT_KEYS``.
+
+Studies keep no event timeline (it costs memory and time at 1024 GPUs); a ``StudyTrace``
+turns events on for one run of the study (one schedule at the first sweep point) and writes
+that run's files (``write_trace``). Recording events does not change the simulation: the
+traced run's row equals the untraced one (all but ``wall_seconds``).
 """
 
 from __future__ import annotations
@@ -10,12 +15,16 @@ from __future__ import annotations
 import json
 import math
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from laminar_core.config.loader import ResolvedConfig, apply_overrides, resolve
+import yaml
+
+from laminar_core.config.loader import ResolvedConfig, apply_overrides
 from laminar_core.plugins import PluginManager, default_manager
-from laminar_core.runtime.local import LocalRun, build_local_run
+from laminar_core.plugins.resolve import resolve
+from laminar_core.runtime import Run, build_local_run
 from laminar_core.sim.clock import run_virtual
 
 RESULT_KEYS = (
@@ -46,7 +55,7 @@ def _percentile(values: list[int], q: float) -> float:
     return float(s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))])
 
 
-def summarize(run: LocalRun, wall: float, point: str = "") -> dict[str, Any]:
+def summarize(run: Run, wall: float, point: str = "") -> dict[str, Any]:
     """One result row from a finished run (throughput as the Laminar paper measures it:
     tokens of each global batch over the time between consecutive trainer updates,
     averaged over the steps after ``study.warmup_steps``)."""
@@ -88,14 +97,18 @@ def simulate_schedule(
     schedule: str | None = None,
     pm: PluginManager | None = None,
     point: str = "",
-    keep_run: list[LocalRun] | None = None,
+    keep_run: list[Run] | None = None,
+    record_events: bool = False,
 ) -> dict[str, Any]:
-    """Run ``schedule`` (default: the config's) for ``run.steps`` steps on virtual time."""
+    """Run ``schedule`` (default: the config's) for ``run.steps`` steps on virtual time.
+
+    ``record_events`` keeps the run's event timeline (``run.events``; see ``keep_run``).
+    """
     pm = pm or default_manager()
     wall0 = time.perf_counter()
 
-    async def main() -> LocalRun:
-        run = build_local_run(resolved, schedule, pm, record_events=False)
+    async def main() -> Run:
+        run = build_local_run(resolved, schedule, pm, record_events=record_events)
         await run.controller.run(resolved.cfg.run.steps)
         return run
 
@@ -120,17 +133,90 @@ def sweep_points(resolved: ResolvedConfig, pm: PluginManager) -> list[tuple[str,
     return out
 
 
+# the files ``write_trace`` puts next to the trace (what ``laminar report DIR`` reads)
+TRACE_FILES = ("events.jsonl", "metrics.jsonl", "config.yaml", "trace_info.json")
+
+
+@dataclass
+class StudyTrace:
+    """Keep the events of one run of a study and write them: the Chrome/Perfetto timeline to
+    ``path``, and ``TRACE_FILES`` next to it.
+
+    ``schedule``: the schedule spec to trace (as listed in ``study.schedules`` or
+    ``--schedules``); empty: the study's first. With a sweep, the first point is traced.
+    """
+
+    path: Path
+    schedule: str = ""
+    written: list[Path] | None = None  # set once the trace is written
+
+
+def check_trace_path(path: str | Path) -> Path:
+    """``path`` as a trace destination, or ``ValueError`` naming the conflict.
+
+    Its directory receives ``TRACE_FILES``: refuse one holding another run's files (a
+    ``laminar train`` run directory), and a name that is one of those files.
+    """
+    path = Path(path)
+    if path.name in TRACE_FILES:
+        raise ValueError(f"--trace {path}: that name is one of the files written next to it")
+    d = path.parent
+    if (d / "metrics.jsonl").exists() and not (d / "trace_info.json").exists():
+        raise ValueError(
+            f"--trace {path}: {d} holds another run's metrics.jsonl; "
+            "choose a new or empty directory for the trace"
+        )
+    return path
+
+
+def write_trace(run: Run, row: dict[str, Any], path: str | Path) -> list[Path]:
+    """Write a finished run's timeline to ``path`` and ``TRACE_FILES`` next to it.
+
+    The run must have been built with events on. Times are simulated seconds from 0.
+    """
+    path = Path(path)
+    d = path.parent
+    d.mkdir(parents=True, exist_ok=True)
+    run.events.write_chrome_trace(path)
+    run.events.write_jsonl(d / "events.jsonl")
+    with open(d / "metrics.jsonl", "w") as f:
+        for m in run.controller.metrics.rows:
+            f.write(json.dumps(m) + "\n")
+    config = run.resolved.to_dict()
+    config["schedule"] = row["schedule"]  # the traced run's, which the config may not name
+    (d / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    info = {
+        "clock": "virtual",
+        "schedule": row["schedule"],
+        "point": row["point"],
+        "trace": path.name,
+        "row": row,
+    }
+    (d / "trace_info.json").write_text(json.dumps(info, indent=2) + "\n")
+    return [path, *(d / name for name in TRACE_FILES)]
+
+
 def run_study(
     resolved: ResolvedConfig,
     pm: PluginManager | None = None,
     schedules: list[str] | None = None,
     progress=None,
+    trace: StudyTrace | None = None,
 ) -> list[dict[str, Any]]:
     pm = pm or default_manager()
     rows = []
     for label, cfg in sweep_points(resolved, pm):
-        for spec in schedules or cfg.cfg.study.schedules:
-            row = simulate_schedule(cfg, spec, pm, point=label)
+        specs = schedules or cfg.cfg.study.schedules
+        for spec in specs:
+            traced = (
+                trace is not None and trace.written is None and spec == (trace.schedule or specs[0])
+            )
+            kept: list[Run] = []
+            row = simulate_schedule(
+                cfg, spec, pm, point=label, keep_run=kept if traced else None, record_events=traced
+            )
+            if traced:
+                trace.written = write_trace(kept[0], row, trace.path)
             rows.append(row)
             if progress is not None:
                 progress(row)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
 
 import torch
 
@@ -65,7 +65,7 @@ class SimTrainerEngine(TrainerEngine):
         self.tokens_trained += tokens
         return {"train_seconds": seconds, "train_tokens": float(tokens)}
 
-    def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+    async def export_weights(self) -> AsyncIterator[tuple[str, torch.Tensor]]:
         per, rest = divmod(self.param_count, self.num_tensors)
         for i in range(self.num_tensors):
             n = per + (1 if i < rest else 0)

@@ -12,7 +12,7 @@ from collections import defaultdict
 from typing import Any
 
 from laminar_core.interfaces import Alloc, BuildContext, WeightTransport
-from laminar_core.relay.tier import TRAINER_RANK
+from laminar_core.relay.protocol import TRAINER_RANK
 from laminar_core.sim.config import SimTransportConfig
 from laminar_core.types import Bucket
 
@@ -50,8 +50,9 @@ class SimTransport(WeightTransport):
         async with self._link:
             await asyncio.sleep(self.cfg.start_s + bucket.nbytes * 8.0 / (gbps * 1e9))
         if bucket.data is not None:  # the sender recycles its buffers once send returns
-            bucket = Bucket(bucket.version, bucket.index, bucket.nbytes, bucket.checksum,
-                            bytes(bucket.data))
+            bucket = Bucket(
+                bucket.version, bucket.index, bucket.nbytes, bucket.checksum, bytes(bucket.data)
+            )
         self.fabric.queues[(self.rank, peer)].put_nowait(bucket)
 
     async def recv(self, peer: int, alloc: Alloc | None = None) -> Bucket:

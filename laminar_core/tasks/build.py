@@ -89,7 +89,7 @@ def build_prompts(
     d = resolved.cfg.data
     if d.source == "synthetic":
         ds = SyntheticPrompts(
-            d.size, d.prompt_min_tokens, d.prompt_max_tokens, resolved.cfg.run.seed
+            d.size, d.min_prompt_tokens, d.max_prompt_tokens, resolved.cfg.run.seed
         )
         return ds, DataReport("synthetic", rows=len(ds))
     if d.source == "jsonl":

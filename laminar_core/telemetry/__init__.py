@@ -2,5 +2,6 @@
 
 from laminar_core.telemetry.events import EventLog, MetricsWriter
 from laminar_core.telemetry.tensorboard import TENSORBOARD_DIR, TensorBoardSink
+from laminar_core.telemetry.wandb import WandbSink
 
-__all__ = ["TENSORBOARD_DIR", "EventLog", "MetricsWriter", "TensorBoardSink"]
+__all__ = ["TENSORBOARD_DIR", "EventLog", "MetricsWriter", "TensorBoardSink", "WandbSink"]

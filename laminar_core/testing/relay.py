@@ -204,8 +204,11 @@ async def check_relay_faults(
     )
     masters: list[int] = []
     tier.on_master_change.append(lambda rank, ep: masters.append(rank))
-    ready: list[tuple[int, int]] = []
-    tier.on_ready.append(lambda rank, version: ready.append((rank, version)))
+    ready: list[tuple[int, int]] = []  # (rank, version) shared on the relay's node
+    for h in hosts:
+        h.events.subscribe(
+            lambda e, rank=h.rank: ready.append((rank, e.version)) if e.kind == "shared" else None
+        )
     try:
         await asyncio.wait_for(tier.open(), timeout_s)
         await asyncio.wait_for(tier.publish(1, make_weights(1)), timeout_s)

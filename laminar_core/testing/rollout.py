@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from laminar_core.interfaces import RolloutEngine
+from laminar_core.interfaces import ModelOnly, RolloutEngine
 from laminar_core.types import FinishReason, GenerationRequest, SamplingParams
 
 
@@ -74,7 +74,7 @@ async def check_rollout_engine(
                 assert resumed.response_ids[: len(p.response_ids)] == p.response_ids
                 assert resumed.logprobs[: len(p.logprobs)] == p.logprobs, "prefix logprobs lost"
 
-    await a.update_weights(v0 + 1, None)
+    await a.update_weights(ModelOnly(v0 + 1))
     assert (await a.stats()).version == v0 + 1, "update_weights did not change the version"
     await a.stop()
     await b.stop()

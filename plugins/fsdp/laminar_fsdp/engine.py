@@ -20,7 +20,7 @@ import json
 import math
 import os
 import socket
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
@@ -425,15 +425,21 @@ class FSDPTrainerEngine(TrainerEngine):
         diff[2] += mask[rows].sum().item()
 
     # -- weights -----------------------------------------------------------------------------
-    def export_weights(self) -> WeightStream:
+    async def export_weights(self) -> AsyncIterator[tuple[str, torch.Tensor]]:
         """Full tensors in Hugging Face naming, cast to ``model.dtype``, bucket by bucket
-        (``export_bucket_mb``; see ``export.py``).
+        (``export_bucket_mb``; see ``export.py``): each bucket's all-gather and host copy run
+        on the engine's worker thread while the event loop keeps serving.
 
-        Iterate with ``async for`` (each bucket's gather and copy run in a worker thread) or a
-        plain ``for``. Collective: every rank must iterate it in step (each bucket is one
-        all-gather); the runtime keeps rank 0's tensors and drops the others'. Tensors are
-        host copies the consumer owns.
+        Collective: every rank must iterate it in step (each bucket is one all-gather); the
+        runtime keeps rank 0's tensors and drops the others'. Tensors are host copies the
+        consumer owns: nothing the engine does later overwrites them.
         """
+        async for item in self.weight_stream():
+            yield item
+
+    def weight_stream(self) -> WeightStream:
+        """The export as a stream iterable with ``async for`` (as ``export_weights``) or,
+        blocking the caller, a plain ``for`` (benchmarks, tools)."""
         named = list(self.lm.named_parameters())
         size = int(self.opt.export_bucket_mb * (1 << 20))
         return WeightStream(

@@ -19,9 +19,10 @@ about ``bucket_bytes``:
 Every yielded tensor is a view into a host buffer owned by that bucket alone: consumers may
 keep them (the runtime keeps rank 0's whole export) and nothing later overwrites them.
 
-:class:`WeightStream` is what ``export_weights()`` returns: iterate it with ``async for``
-(each bucket's blocking work runs in a worker thread, so the event loop keeps going --
-the interface core is moving to) or with a plain ``for`` (today's runtime).
+:class:`WeightStream` wraps the bucket generator: ``async for`` runs each bucket's blocking
+work on an executor (the engine's worker thread) so the event loop keeps going -- what the
+engine's ``export_weights`` async generator iterates -- and a plain ``for`` runs it in the
+caller (benchmarks, tools).
 """
 
 from __future__ import annotations

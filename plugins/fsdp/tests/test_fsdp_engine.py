@@ -81,14 +81,14 @@ def _rank(rank: int, world: int, port: int, model_dir: str, ckpt: str, out: dict
             {"init_method": f"tcp://127.0.0.1:{port}", "seed": 0},
         )
         await eng.setup(ctx)
-        before = dict(eng.export_weights())
+        before = {n: t async for n, t in eng.export_weights()}
         batch = _batch(eng.model.config.vocab_size)
         metrics = await eng.train_step(batch)
-        after = {name: t async for name, t in eng.export_weights()}  # the async interface
+        after = {n: t async for n, t in eng.export_weights()}
         await eng.save_checkpoint(ckpt)
         await eng.train_step(batch)  # moves the weights on past the checkpoint
         await eng.load_checkpoint(ckpt)
-        restored = dict(eng.export_weights())
+        restored = {n: t async for n, t in eng.export_weights()}
         await eng.close()
         return {
             "metrics": metrics,

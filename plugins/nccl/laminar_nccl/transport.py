@@ -244,7 +244,7 @@ class TorchDistTransport(WeightTransport):
                 self._pairs.pop(peer, None)
                 raise TransportError(f"rank {self.rank}: recv from {peer} failed: {e}") from e
             await self._wait(works, "recv from", peer)
-            version, index, nbytes, crc, payload = decode_bucket_header(
+            version, index, nbytes, digest, payload = decode_bucket_header(
                 header.cpu().numpy().tobytes()
             )
             data: Any = None
@@ -260,4 +260,4 @@ class TorchDistTransport(WeightTransport):
                 if payload:
                     await self._wait([pg.recv([buf], src, _TAG)], "recv from", peer)
                 data = memoryview(buf.cpu().numpy())
-            return Bucket(version, index, nbytes, crc, data)
+            return Bucket(version, index, nbytes, digest, data)

@@ -343,9 +343,9 @@ class NixlTransport(WeightTransport):
             inbound.started = True
             self._grant(peer, inbound)
         slot, off, length, header = await self._next(peer, inbound)
-        version, index, nbytes, crc, payload = decode_bucket_header(header)
+        version, index, nbytes, digest, payload = decode_bucket_header(header)
         if payload < 0:
-            return Bucket(version, index, nbytes, crc, None)
+            return Bucket(version, index, nbytes, digest, None)
         buf = alloc(payload) if alloc is not None and payload else bytearray(payload)
         view = memoryview(buf)
         got = 0
@@ -358,5 +358,5 @@ class NixlTransport(WeightTransport):
                 self._free_recv.append(slot)
                 self._grant(peer, inbound)
             if got >= payload:
-                return Bucket(version, index, nbytes, crc, buf)
+                return Bucket(version, index, nbytes, digest, buf)
             slot, off, length, header = await self._next(peer, inbound)

@@ -23,11 +23,8 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import torch
 
 from laminar_core import (
     BuildContext,
@@ -38,7 +35,9 @@ from laminar_core import (
     ReplicaFailure,
     RolloutEngine,
     SharedWeights,
+    TensorWeights,
     Trajectory,
+    WeightsRef,
     model_dir,
 )
 from laminar_vllm.options import VLLMOptions
@@ -67,6 +66,8 @@ def _remove_orphans() -> None:
             shutil.rmtree(d, ignore_errors=True)
         except PermissionError:  # alive, another user's
             pass
+
+
 _ABORT_WAIT_S = 30.0  # how long abort waits for vLLM to hand back an aborted request
 # Timings use the monotonic clock: the one the driver's event loop reads (on one node).
 
@@ -313,26 +314,25 @@ class VLLMRolloutEngine(RolloutEngine):
         return [self._partial(self._live[t]) for t in list(ids)]
 
     # -- weights -----------------------------------------------------------------------------
-    async def update_weights(
-        self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]] | None
-    ) -> None:
+    async def update_weights(self, weights: WeightsRef) -> None:
         self._check()
         if self._live:
             raise RuntimeError(
                 f"replica {self.replica_id}: update_weights with {len(self._live)} "
                 "trajectories in flight would mix weight versions inside one trajectory"
             )
-        if isinstance(named_tensors, SharedWeights):
+        if isinstance(weights, SharedWeights):
             # The node relay's own file: every worker maps it (no copy of ours). Opening it
             # here first makes a missing or replaced version fail before any worker loads.
-            iter(named_tensors)
-            ref = (named_tensors.root, named_tensors.relay_id, named_tensors.version)
+            iter(weights)
+            ref = (weights.root, weights.relay_id, weights.version)
             await self._llm.collective_rpc("laminar_load_shared", args=ref)
             await self._llm.reset_prefix_cache()
-        elif named_tensors is not None:
+        elif isinstance(weights, TensorWeights):
             from safetensors.torch import save_file
 
-            tensors = {n: t.detach().contiguous().cpu() for n, t in named_tensors}
+            version = weights.version
+            tensors = {n: t.detach().contiguous().cpu() for n, t in weights}
             fd, path = tempfile.mkstemp(
                 prefix=f"{self.replica_id}-v{version}-", suffix=".safetensors", dir=_own_dir()
             )
@@ -345,7 +345,8 @@ class VLLMRolloutEngine(RolloutEngine):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)
             await self._llm.reset_prefix_cache()  # cached KV was computed by the old weights
-        self.version = version
+        # ModelOnly (a simulated trainer's version): nothing to load
+        self.version = weights.version
 
     async def stats(self) -> EngineStats:
         self._check()

@@ -52,7 +52,7 @@ def _hf_logprobs(model, prompt: list[int], response: list[int]) -> torch.Tensor:
 def test_engine_lifecycle(model_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from laminar_core import SharedWeights
+    from laminar_core import SharedWeights, TensorWeights
     from laminar_core.testing import share_version
 
     shm = tmp_path / "shm"
@@ -99,7 +99,7 @@ def test_engine_lifecycle(model_dir, tmp_path):
             with torch.no_grad():
                 for param in hf.parameters():
                     param.add_(torch.randn_like(param) * 0.05)
-            await eng.update_weights(1, list(hf.named_parameters()))
+            await eng.update_weights(TensorWeights(1, list(hf.named_parameters())))
             assert (await eng.stats()).version == 1
             u = await eng.generate(_req("c", 30))
             assert u.version == 1
@@ -111,20 +111,20 @@ def test_engine_lifecycle(model_dir, tmp_path):
                 for param in hf.parameters():
                     param.add_(torch.randn_like(param) * 0.05)
             shared = share_version(shm, 0, 2, list(hf.named_parameters()))
-            await eng.update_weights(2, shared)
+            await eng.update_weights(shared)
             u = await eng.generate(_req("e", 30))
             ref = _hf_logprobs(hf, PROMPT, u.response_ids)
             assert u.version == 2
             assert (ref - torch.tensor(u.logprobs)).abs().max().item() < 1e-4
             with pytest.raises(LookupError):  # a version the relay does not share: untouched
-                await eng.update_weights(3, SharedWeights(str(shm), 0, 3))
+                await eng.update_weights(SharedWeights(str(shm), 0, 3))
             assert (await eng.stats()).version == 2
 
             # no update while a trajectory is in flight (it would mix versions)
             task = asyncio.ensure_future(eng.generate(_req("d", 200)))
             await asyncio.sleep(0.05)
             with pytest.raises(RuntimeError, match="in flight"):
-                await eng.update_weights(3, [])
+                await eng.update_weights(TensorWeights(3, []))
             await eng.abort(["d"])
             await task
         finally:
@@ -155,8 +155,12 @@ def test_weight_files_of_dead_engine_processes_are_removed(monkeypatch, tmp_path
     from laminar_vllm import engine as mod
 
     monkeypatch.setattr(mod, "_SHM", tmp_path)
-    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                          capture_output=True, text=True, check=True).stdout.strip()
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     (tmp_path / f"laminar-vllm-{gone}").mkdir()
     (tmp_path / f"laminar-vllm-{gone}" / "r0-v3-x.safetensors").write_bytes(b"w")
     mine = mod._own_dir()

@@ -1,0 +1,162 @@
+"""Value checks that need only the schema: ranges, known kinds, consistency across sections.
+
+``check_values`` runs after the types were checked (OmegaConf) and before engine names are
+resolved against the plugins (``plugins.resolve``). Each failure is a one-line
+``ConfigError`` naming the key.
+"""
+
+from __future__ import annotations
+
+import difflib
+
+from laminar_core.config.loader import ConfigError, close_match
+from laminar_core.config.schema import LaminarConfig
+
+# synthetic: lengths only (simulator); jsonl/parquet: data.path; task: a registered generator
+DATA_SOURCES = ("synthetic", "jsonl", "parquet", "task")
+
+
+def check_values(cfg: LaminarConfig) -> None:
+    """Every schema-level check (see module docstring)."""
+    _positive(cfg)
+    _buffer(cfg)
+    _data_reward(cfg)
+    _runtime(cfg)
+    import torch  # only here: parsing a config must not pay for torch
+
+    if not isinstance(getattr(torch, cfg.model.dtype, None), torch.dtype):
+        raise ConfigError(
+            f"model.dtype: '{cfg.model.dtype}' is not a torch dtype; e.g. bfloat16, float16, "
+            f"float32{close_match(cfg.model.dtype, ('bfloat16', 'float16', 'float32'))}"
+        )
+
+
+def _positive(cfg: LaminarConfig) -> None:
+    rules = [
+        ("run.steps", cfg.run.steps, 0),
+        ("data.prompts_per_step", cfg.data.prompts_per_step, 1),
+        ("data.samples_per_prompt", cfg.data.samples_per_prompt, 1),
+        ("data.size", cfg.data.size, 1),
+        ("data.min_prompt_tokens", cfg.data.min_prompt_tokens, 1),
+        ("data.max_prompt_tokens", cfg.data.max_prompt_tokens, 1),
+        ("cluster.gpus", cfg.cluster.gpus, 1),
+        ("cluster.gpus_per_node", cfg.cluster.gpus_per_node, 1),
+        ("cluster.gpus_per_replica", cfg.cluster.gpus_per_replica, 1),
+        ("cluster.trainer_gpus", cfg.cluster.trainer_gpus, 1),
+        ("rollout.max_tokens", cfg.rollout.max_tokens, 1),
+        ("trainer.mini_batches", cfg.trainer.mini_batches, 1),
+        ("repack.batch_limit", cfg.repack.batch_limit, 1),
+        ("study.warmup_steps", cfg.study.warmup_steps, 0),
+        ("rollout.max_restarts", cfg.rollout.max_restarts, 0),
+        ("trainer.max_restarts", cfg.trainer.max_restarts, 0),
+    ]
+    for key, value, low in rules:
+        if value < low:
+            raise ConfigError(f"{key} must be >= {low} (got {value})")
+    for key, value in [
+        ("rollout.heartbeat_s", cfg.rollout.heartbeat_s),
+        ("rollout.heartbeat_timeout_s", cfg.rollout.heartbeat_timeout_s),
+        ("model.params_b", cfg.model.params_b),
+        ("buffer.max_ahead_batches", cfg.buffer.max_ahead_batches),
+        ("rollout.restart_window_s", cfg.rollout.restart_window_s),
+    ]:
+        if not value > 0:
+            raise ConfigError(f"{key} must be > 0 (got {value})")
+    for key, value in [
+        ("repack.interval_s", cfg.repack.interval_s),
+        ("rollout.partial_sync_s", cfg.rollout.partial_sync_s),
+        ("relay.chunks", cfg.relay.chunks),
+        ("relay.bucket_mb", cfg.relay.bucket_mb),
+        ("relay.max_unavailable_s", cfg.relay.max_unavailable_s),
+    ]:
+        if value < 0:
+            raise ConfigError(f"{key} must be >= 0 (got {value})")
+    if cfg.data.source == "synthetic" and cfg.data.max_prompt_tokens < cfg.data.min_prompt_tokens:
+        raise ConfigError(
+            f"data.max_prompt_tokens ({cfg.data.max_prompt_tokens}) must be >= "
+            f"data.min_prompt_tokens ({cfg.data.min_prompt_tokens})"
+        )
+    if not 0 < cfg.repack.kv_limit <= 1:
+        raise ConfigError(f"repack.kv_limit must be in (0, 1] (got {cfg.repack.kv_limit})")
+    if cfg.rollout.max_concurrent < cfg.data.samples_per_prompt:
+        raise ConfigError(
+            f"rollout.max_concurrent ({cfg.rollout.max_concurrent}) must be >= "
+            f"data.samples_per_prompt ({cfg.data.samples_per_prompt}): a group "
+            "is placed on one replica"
+        )
+    c = cfg.cluster
+    if c.trainer_gpus >= c.gpus:
+        raise ConfigError(
+            f"cluster.trainer_gpus ({c.trainer_gpus}) must be < cluster.gpus "
+            f"({c.gpus}): the rest run rollout replicas"
+        )
+    if (c.gpus - c.trainer_gpus) < c.gpus_per_replica:
+        raise ConfigError(
+            f"cluster: {c.gpus - c.trainer_gpus} rollout GPUs cannot hold one "
+            f"replica of cluster.gpus_per_replica={c.gpus_per_replica}"
+        )
+
+
+RUNTIME_KINDS = ("local", "ray")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def _runtime(cfg: LaminarConfig) -> None:
+    rt = cfg.runtime
+    if rt.kind not in RUNTIME_KINDS:
+        hint = difflib.get_close_matches(rt.kind, RUNTIME_KINDS, n=1)
+        extra = f" (did you mean '{hint[0]}'?)" if hint else ""
+        raise ConfigError(
+            f"runtime.kind: unknown '{rt.kind}'{extra}; known: {', '.join(RUNTIME_KINDS)}"
+        )
+    if rt.device not in DEVICES:
+        raise ConfigError(
+            f"runtime.device: unknown '{rt.device}'{close_match(rt.device, DEVICES)}; "
+            f"known: {', '.join(DEVICES)}"
+        )
+    for key, value in [
+        ("runtime.cpus_per_trainer", rt.cpus_per_trainer),
+        ("runtime.cpus_per_replica", rt.cpus_per_replica),
+        ("runtime.num_cpus", rt.num_cpus),
+    ]:
+        if value < 0:
+            raise ConfigError(f"{key} must be >= 0 (got {value})")
+    if not rt.start_timeout_s > 0:
+        raise ConfigError(f"runtime.start_timeout_s must be > 0 (got {rt.start_timeout_s})")
+
+
+STALE_POLICIES = ("drop", "wait")
+
+
+def _buffer(cfg: LaminarConfig) -> None:
+    b = cfg.buffer
+    if b.max_staleness is not None and b.max_staleness < 0:
+        raise ConfigError(
+            f"buffer.max_staleness must be >= 0, or null for no bound (got {b.max_staleness})"
+        )
+    if b.stale_policy not in STALE_POLICIES:
+        raise ConfigError(
+            f"buffer.stale_policy: unknown '{b.stale_policy}'"
+            f"{close_match(b.stale_policy, STALE_POLICIES)}; known: {', '.join(STALE_POLICIES)}"
+        )
+
+
+def _data_reward(cfg: LaminarConfig) -> None:
+    """``data.*`` / ``reward.*`` that need no plugin: the source and its own settings.
+    Files are not opened here (a cluster reads them where the run starts)."""
+    d, r = cfg.data, cfg.reward
+    if d.source not in DATA_SOURCES:
+        raise ConfigError(
+            f"data.source: unknown '{d.source}'; known: {', '.join(DATA_SOURCES)}"
+            f"{close_match(d.source, DATA_SOURCES)}"
+        )
+    if not d.prompt_key:
+        raise ConfigError("data.prompt_key must name the prompt column (e.g. prompt)")
+    if d.source in ("jsonl", "parquet") and not d.path:
+        raise ConfigError(
+            f"data.source={d.source} needs a file: set data.path=/path/to/data.{d.source}"
+        )
+    if not r.timeout_s > 0:
+        raise ConfigError(f"reward.timeout_s must be > 0 (got {r.timeout_s})")
+    if r.workers < 1:
+        raise ConfigError(f"reward.workers must be >= 1 (got {r.workers})")

@@ -1,0 +1,187 @@
+"""Resolving a parsed config against the installed plugins: the step where engine names
+become classes and each engine's section is validated by its own ``Options``.
+
+``load_config(path, overrides)`` reads a file (``config.loader``), applies the overrides,
+checks keys, types and values against the schema (``config.checks``), then here: the chosen
+trainer, rollout engine and transport exist and their options are valid, the schedule,
+repack policy, task and reward names exist, and the schedule fits the sampler. The result
+is a ``ResolvedConfig``. Nothing starts before all of this passed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from pathlib import Path
+from typing import Any
+
+from laminar_core.algorithms.config import validate_algorithm
+from laminar_core.buffers.experience import SAMPLERS
+from laminar_core.config.checks import check_values
+from laminar_core.config.loader import (
+    ConfigError,
+    ResolvedConfig,
+    apply_overrides,
+    check_keys,
+    close_match,
+    read_config_file,
+    structured,
+)
+from laminar_core.config.schema import ENGINE_SECTIONS, LaminarConfig
+from laminar_core.loop.schedules import (
+    Schedule,
+    ScheduleError,
+    schedule_flags,
+    split_schedule_name,
+)
+from laminar_core.plugins.manager import PluginManager, UnknownPluginError, default_manager
+
+
+def _engine_options(
+    section: str, engine: str, raw: dict[str, Any] | None, pm: PluginManager
+) -> Any:
+    kind = ENGINE_SECTIONS[section][1]
+    try:
+        factory = pm.get(kind, engine)
+    except UnknownPluginError as e:
+        raise ConfigError(f"{section}.{ENGINE_SECTIONS[section][0]}: {e}") from None
+    options_cls = getattr(factory, "Options", None)
+    if raw is not None and not isinstance(raw, dict):
+        raise ConfigError(
+            f"config key '{section}.{engine}' must be a mapping of {kind} '{engine}' "
+            f"options; got {raw!r}"
+        )
+    if options_cls is None:
+        if raw:
+            raise ConfigError(
+                f"config key '{section}.{engine}': {kind} '{engine}' takes no options"
+            )
+        return None
+    check_keys(raw or {}, options_cls, f"{section}.{engine}", {})
+    return structured(options_cls, raw or {}, f"{section}.{engine}")
+
+
+def make_schedule(spec: str, cfg: LaminarConfig, pm: PluginManager) -> Schedule:
+    name, arg = split_schedule_name(spec)
+    try:
+        factory = pm.get("schedule", name)
+    except UnknownPluginError as e:
+        raise ConfigError(f"schedule: {e}") from None
+    try:
+        partial = "partial" in schedule_flags(spec)
+        if partial and name != "stale":
+            raise ScheduleError(f"'+partial' applies only to stale:K (got '{spec}')")
+        return factory(
+            arg,
+            partial_rollout=cfg.rollout.partial_rollout or partial,
+            max_ahead_batches=cfg.buffer.max_ahead_batches,
+        )
+    except ScheduleError as e:
+        raise ConfigError(f"schedule: {e}") from None
+
+
+def schedule_of(
+    resolved: ResolvedConfig, spec: str | None = None, pm: PluginManager | None = None
+) -> Schedule:
+    """The ``Schedule`` of ``spec`` (default: the config's ``schedule``)."""
+    return make_schedule(spec or resolved.cfg.schedule, resolved.cfg, pm or default_manager())
+
+
+def validate(cfg: LaminarConfig, pm: PluginManager) -> None:
+    """The checks that need the plugins (names of tasks, rewards, schedules, policies)."""
+    d, r = cfg.data, cfg.reward
+    if d.source == "task":
+        try:
+            factory = pm.get("task", d.task)
+        except UnknownPluginError as e:
+            raise ConfigError(f"data.task: {e}") from None
+        options_cls = getattr(factory, "Options", None)
+        if options_cls is not None and dataclasses.is_dataclass(options_cls):
+            check_keys(dict(d.task_options), options_cls, "data.task_options", {})
+            structured(options_cls, dict(d.task_options), "data.task_options")
+    if r.fn and ":" not in r.fn:
+        try:
+            pm.get("reward", r.fn)
+        except UnknownPluginError as e:
+            raise ConfigError(
+                f"reward.fn: {e}; or give a function as 'package.module:function'"
+            ) from None
+    elif r.fn:
+        from laminar_core.tasks.rewards import import_reward  # imports the user's module
+
+        try:
+            import_reward(r.fn)
+        except ValueError as e:
+            raise ConfigError(f"reward.fn: {e}") from None
+    try:
+        validate_algorithm(cfg.algorithm)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    for spec in [cfg.schedule, *cfg.study.schedules]:
+        sched = make_schedule(spec, cfg, pm)
+        if cfg.buffer.sampler not in ("auto", *SAMPLERS):
+            raise ConfigError(
+                f"buffer.sampler: unknown '{cfg.buffer.sampler}'; known: auto, "
+                f"{', '.join(sorted(SAMPLERS))}{close_match(cfg.buffer.sampler, SAMPLERS)}"
+            )
+        if sched.max_lag is not None and cfg.buffer.sampler == "fifo":
+            raise ConfigError(
+                f"buffer.sampler=fifo cannot bound staleness for schedule "
+                f"'{spec}'; use auto or by_batch"
+            )
+        bound = cfg.buffer.max_staleness
+        if sched.max_lag is not None and bound is not None and sched.max_lag > bound:
+            raise ConfigError(
+                f"schedule '{spec}' allows staleness {sched.max_lag}, above "
+                f"buffer.max_staleness={bound}: raise buffer.max_staleness (or null)"
+            )
+    if cfg.rollout.partial_rollout and not any(
+        split_schedule_name(s)[0] == "stale" for s in [cfg.schedule, *cfg.study.schedules]
+    ):
+        raise ConfigError(
+            "rollout.partial_rollout applies only to the stale:K schedule "
+            f"(schedule is '{cfg.schedule}')"
+        )
+    try:
+        pm.get("repack", cfg.repack.policy)
+    except UnknownPluginError as e:
+        raise ConfigError(f"repack.policy: {e}") from None
+
+
+def resolve(
+    raw: dict[str, Any],
+    overrides: typing.Iterable[str] = (),
+    pm: PluginManager | None = None,
+    source: str = "",
+) -> ResolvedConfig:
+    """Validate ``raw`` (a parsed YAML mapping) plus ``overrides`` into a ``ResolvedConfig``."""
+    pm = pm or default_manager()
+    raw = apply_overrides(dict(raw), overrides)
+    extra = {section: set(pm.names(kind)) for section, (_, kind) in ENGINE_SECTIONS.items()}
+    check_keys(raw, LaminarConfig, "", extra)
+    engine_raw: dict[str, dict[str, Any]] = {}
+    plain = {k: (dict(v) if isinstance(v, dict) else v) for k, v in raw.items()}
+    for section in ENGINE_SECTIONS:
+        sec = plain.get(section)
+        if isinstance(sec, dict):
+            for name in list(sec):
+                if name in extra[section]:
+                    engine_raw.setdefault(section, {})[name] = sec.pop(name)
+    cfg: LaminarConfig = structured(LaminarConfig, plain, "")
+    options = {}
+    for section, (key, _) in ENGINE_SECTIONS.items():
+        engine = getattr(getattr(cfg, section), key)
+        options[section] = _engine_options(
+            section, engine, engine_raw.get(section, {}).get(engine), pm
+        )
+    check_values(cfg)
+    validate(cfg, pm)
+    return ResolvedConfig(cfg, options, source)
+
+
+def load_config(
+    path: str | Path | None, overrides: typing.Iterable[str] = (), pm: PluginManager | None = None
+) -> ResolvedConfig:
+    """Read ``path`` (or start from defaults when ``None``), apply overrides, validate."""
+    raw = read_config_file(path) if path is not None else {}
+    return resolve(raw, overrides, pm, source=str(path or ""))
