@@ -31,6 +31,12 @@ def _parser() -> argparse.ArgumentParser:
         s = sub.add_parser(name, help=help_)
         s.add_argument("config", help="run config (YAML)")
         s.add_argument("overrides", nargs="*", help="key=value overrides")
+        if name == "train":
+            s.add_argument(
+                "--verbose",
+                action="store_true",
+                help="engine and Ray output on the terminal (default: RUN_DIR/logs/)",
+            )
         if name == "simulate":
             s.add_argument(
                 "--out", help="write the result rows as JSON here (default: a new run directory)"
@@ -170,14 +176,33 @@ def _simulate(args: argparse.Namespace) -> int:
 def _train(args: argparse.Namespace) -> int:
     from laminar_core.runtime.train import train
 
-    resolved = load_config(args.config, args.overrides)
+    overrides = [*args.overrides, *(["telemetry.engine_logs=terminal"] if args.verbose else [])]
+    resolved = load_config(args.config, overrides)
     run_dir = train(resolved)  # prints the run directory first, so a crash still names it
     print(f"done: {run_dir}")
     return 0
 
 
+def _console_logging() -> None:
+    """Laminar's own warnings (a replica restarted, a relay replaced, ...) on the terminal,
+    one line each; the libraries' chatter at ERROR."""
+    import logging
+
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("laminar: %(message)s"))
+    root = logging.getLogger("laminar_core")
+    if not root.handlers:
+        root.addHandler(handler)
+        root.setLevel(logging.WARNING)
+        root.propagate = False
+    for noisy in ("ray", "vllm", "transformers", "torch.distributed"):
+        logging.getLogger(noisy).setLevel(logging.ERROR)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.cmd == "train" and not getattr(args, "verbose", False):
+        _console_logging()
     try:
         if args.cmd == "plugins":
             print(default_manager().format_table())

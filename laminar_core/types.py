@@ -71,8 +71,14 @@ class Trajectory:
     """One finished sample.
 
     ``version`` is the weight version that generated it. Under partial rollout (``stale:K``
-    with ``partial_rollout``) several versions may have contributed; ``versions`` lists them
-    oldest first and ``version`` is the oldest, which is what staleness is measured against.
+    with ``partial_rollout``), or across the turns of a multi-turn (tool-calling) episode,
+    several versions may have contributed; ``versions`` lists them oldest first and
+    ``version`` is the oldest, which is what staleness is measured against.
+
+    ``loss_mask`` (one entry per response token; empty: all 1) is 1 for tokens the model
+    generated and 0 for tokens it did not (a tool's output appended between turns): losses
+    and log-prob comparisons count only the 1s. ``logprobs`` has an entry for every response
+    token (0.0 where the mask is 0).
     """
 
     traj_id: str
@@ -91,10 +97,15 @@ class Trajectory:
     start_time: float = 0.0
     finish_time: float = 0.0
     metadata: dict[str, Any] = field(default_factory=dict)
+    loss_mask: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
         return self.num_prompt_tokens + self.num_response_tokens
+
+    def response_mask(self) -> list[int]:
+        """``loss_mask``, or all 1 when the trajectory has none (a single-turn sample)."""
+        return list(self.loss_mask) if self.loss_mask else [1] * len(self.response_ids)
 
 
 @dataclass(slots=True)

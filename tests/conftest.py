@@ -46,21 +46,42 @@ def small_overrides() -> list[str]:
     return list(SMALL)
 
 
+# Ray notices a dead node within seconds, not the default half a minute (chaos tests).
+FAST_FAILURE_DETECTION = {
+    "health_check_initial_delay_ms": 0,
+    "health_check_period_ms": 500,
+    "health_check_timeout_ms": 500,
+    "health_check_failure_threshold": 4,
+}
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
-    """One local Ray cluster for the whole session (started by the first test that asks for
-    it); the runtime joins it instead of starting its own."""
+    """One Ray cluster for the whole session (started by the first test that asks for it),
+    as a ``ray.cluster_utils.Cluster``: one head node now; tests that need several Ray
+    nodes on this machine add them (``cluster.add_node``) and remove them when done. The
+    runtime joins it instead of starting its own."""
     ray = pytest.importorskip("ray")
+    from ray.cluster_utils import Cluster
+
     from laminar_core.runtime.ray_run import WORKER_ENV
 
-    started = not ray.is_initialized()
-    if started:
-        ray.init(
-            num_cpus=8,  # logical: the e2e run's 2 trainer ranks + 2 replicas (+ 0-CPU relays)
-            include_dashboard=False,
-            runtime_env={"env_vars": dict(WORKER_ENV)},
-            logging_level="WARNING",
-        )
-    yield
-    if started:
-        ray.shutdown()
+    if ray.is_initialized():
+        yield None
+        return
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": 8,  # logical: the e2e run's 2 trainer ranks + 2 replicas (+ relays)
+            "include_dashboard": False,
+            "_system_config": FAST_FAILURE_DETECTION,
+        },
+    )
+    ray.init(
+        address=cluster.address,
+        runtime_env={"env_vars": dict(WORKER_ENV)},
+        logging_level="WARNING",
+    )
+    yield cluster
+    ray.shutdown()
+    cluster.shutdown()

@@ -16,9 +16,14 @@ from laminar_core.testing import check_rollout_engine, check_transport
 def test_sim_rollout_engine_conformance() -> None:
     lengths = LengthModel.lognormal(30, 10, 4096, seed=1)
     cfg = SimRolloutConfig(decode_step_s=0.01, weight_load_s=0.1)
-    run_virtual(
-        check_rollout_engine(lambda name: SimRolloutEngine(name, cfg, lengths), settle_s=0.5)
-    )
+    report = run_virtual(check_rollout_engine(lambda name: SimRolloutEngine(name, cfg, lengths)))
+    assert "a partial resumes on another replica of its version" in report.checked, report
+
+
+def test_sim_rollout_engine_built_from_config_conformance() -> None:
+    """The class, built as the runtime builds it (Options, from_config)."""
+    report = run_virtual(check_rollout_engine(SimRolloutEngine, options={"decode_step_s": 0.01}))
+    assert report.checked[0].startswith("built as the runtime builds it"), report
 
 
 def test_inprocess_transport_conformance() -> None:

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from laminar_core import plugins
+from laminar_core.interfaces import RolloutEngine
 from laminar_core.plugins import (
     KINDS,
     PluginInfo,
@@ -109,7 +110,8 @@ def pm() -> PluginManager:
 
 def test_kinds_table_and_public_api() -> None:
     assert list(KINDS) == [
-        *("trainer", "rollout", "transport", "repack", "schedule", "task", "reward")
+        *("trainer", "rollout", "transport", "repack", "schedule", "task", "reward"),
+        *("env", "parser"),
     ]
     assert KINDS["rollout"].hook == "laminar_rollout_engines"
     for name in plugins.__all__:
@@ -360,3 +362,159 @@ def test_default_manager_is_cached_and_resettable(monkeypatch: pytest.MonkeyPatc
         assert calls == ["laminar", "laminar"]
     finally:
         plugins.reset_default_manager()
+
+
+# -- hook names that would never be called; plugins that add nothing ----------------------
+
+
+def test_unknown_hook_name_rejects_the_plugin_naming_the_close_match() -> None:
+    pm = PluginManager()
+    typo = make_module("typo", laminar_rollout_engin={"hfgen": SimEngine})
+    assert not pm.register(typo, name="typo", package="laminar-hfgen")
+    assert pm.names("rollout") == []
+    (failure,) = pm.failures
+    assert failure.error == (
+        "unknown hook 'laminar_rollout_engin' (did you mean 'laminar_rollout_engines'?)"
+    )
+    # the user who asked for the engine is told why it is missing
+    with pytest.raises(UnknownPluginError, match="unknown hook 'laminar_rollout_engin'"):
+        pm.get("rollout", "hfgen")
+    # far from every hook: the hooks are listed instead
+    assert not pm.register(make_module("odd", laminar_widgets={"w": SimEngine}), name="odd")
+    assert not pm.register(make_module("odd2", pytest_configure={"w": SimEngine}), name="odd2")
+    assert "Laminar's hooks are laminar_trainer_engines, " in pm.failures[-1].error
+    # the rejected plugin is gone entirely: its name can be registered again, fixed
+    fixed = make_module("typo", laminar_rollout_engines={"hfgen": SimEngine})
+    assert pm.register(fixed, name="typo", package="laminar-hfgen")
+    assert pm.get("rollout", "hfgen") is SimEngine
+
+
+def test_hook_not_marked_hookimpl_is_an_error_helpers_are_not() -> None:
+    module = types.ModuleType("unmarked")
+    module.laminar_rollout_engines = lambda: {"x": SimEngine}  # forgot @hookimpl
+    module.laminar_version_string = lambda: "1"  # a helper, nothing like a hook
+    pm = PluginManager()
+    assert not pm.register(module, name="unmarked")
+    assert [f.error for f in pm.failures] == ["'laminar_rollout_engines' is not marked @hookimpl"]
+
+    helper = make_module("helper", laminar_transports={"t": SimEngine})
+    helper.laminar_version_string = lambda: "1"
+    assert pm.register(helper, name="helper")
+    assert pm.names("transport") == ["t"]
+
+
+def test_plugin_that_registers_nothing_is_listed() -> None:
+    pm = PluginManager()
+    assert pm.register(types.ModuleType("nohooks"), name="nohooks", package="laminar-nohooks")
+    assert pm.register(make_module("emptyhooks", laminar_rollout_engines={}), name="empty")
+    assert pm.failures == []
+    assert [(e.source, e.error) for e in pm.empty] == [
+        (
+            "laminar-nohooks (nohooks)",
+            "no function marked @hookimpl (from laminar_core import hookimpl)",
+        ),
+        ("empty", "its hooks returned no names"),
+    ]
+    table = pm.format_table()
+    assert "registered nothing:\n  laminar-nohooks (nohooks): no function marked @hookimpl" in table
+    with pytest.raises(UnknownPluginError, match=r"plugin laminar-nohooks .* registered nothing"):
+        pm.get("rollout", "nohooks")
+
+
+def test_unknown_hook_from_an_entry_point_is_a_load_failure(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    typo = make_module("laminar_hfgen_plugin", laminar_rolout_engines={"hfgen": SimEngine})
+    fake_entry_points(
+        monkeypatch, [FakeEntryPoint("hfgen", FakeDist("laminar-hfgen", "0.1"), lambda: typo)]
+    )
+    pm = PluginManager()
+    pm.load_entry_points()
+    assert [str(f) for f in pm.failures] == [
+        "laminar-hfgen (entry point 'hfgen'): unknown hook 'laminar_rolout_engines' "
+        "(did you mean 'laminar_rollout_engines'?)"
+    ]
+    assert "failed to load:" in pm.format_table()
+
+
+# -- engine classes are checked against their interface when the config is resolved -------
+
+
+class _HalfRollout(RolloutEngine):
+    """Subclasses the interface but leaves four methods abstract."""
+
+    async def start(self) -> None: ...
+
+    async def generate(self, request):  # type: ignore[no-untyped-def]
+        raise NotImplementedError
+
+    async def stop(self) -> None: ...
+
+
+class _DuckTrainer:
+    """Does not subclass TrainerEngine and lacks most of it."""
+
+    async def setup(self, ctx) -> None: ...  # type: ignore[no-untyped-def]
+
+
+def _resolve_with(kind: str, name: str, factory: object, *overrides: str):  # type: ignore[no-untyped-def]
+    from laminar_core.plugins import builtins
+    from laminar_core.plugins.resolve import load_config
+
+    pm = PluginManager()
+    pm.register(builtins, name="core")
+    hook = KINDS[kind].hook
+    pm.register(make_module("under_test", **{hook: {name: factory}}), name="under-test")
+    return load_config(None, list(overrides), pm=pm)
+
+
+def test_engine_missing_methods_is_a_one_line_config_error() -> None:
+    from laminar_core import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        _resolve_with("rollout", "half", _HalfRollout, "rollout.engine=half")
+    assert str(info.value) == (
+        f"rollout.engine: rollout engine 'half' ({__name__}:_HalfRollout) does not implement "
+        "RolloutEngine: missing abort, partials, stats, update_weights (see docs/plugins.md)"
+    )
+    with pytest.raises(ConfigError, match=r"missing close, compute_logprobs, export_weights"):
+        _resolve_with("trainer", "duck", _DuckTrainer, "trainer.engine=duck")
+    with pytest.raises(ConfigError, match=r"^relay.transport: transport 'bad' .*missing"):
+        _resolve_with("transport", "bad", _DuckTrainer, "relay.transport=bad")
+    with pytest.raises(ConfigError, match=r"^repack.policy: repack policy 'bad' .*missing plan"):
+        _resolve_with("repack", "bad", _DuckTrainer, "repack.policy=bad")
+    # a name that is not chosen is not checked (nor imported); a function factory is built later
+    assert _resolve_with("rollout", "half", _HalfRollout).cfg.rollout.engine == "sim"
+    assert _resolve_with("rollout", "fn", lambda ctx: None, "rollout.engine=fn")
+
+
+def test_the_shipped_engines_implement_their_interfaces() -> None:
+    import importlib.util
+
+    from laminar_core.plugins.builtins import (
+        laminar_repack_policies,
+        laminar_rollout_engines,
+        laminar_trainer_engines,
+        laminar_transports,
+    )
+    from laminar_core.plugins.manager import import_spec
+    from laminar_core.plugins.resolve import INTERFACES, missing_methods
+
+    targets = {
+        "trainer": [*laminar_trainer_engines().values(), "laminar_fsdp.engine:FSDPTrainerEngine"],
+        "rollout": [*laminar_rollout_engines().values(), "laminar_vllm.engine:VLLMRolloutEngine"],
+        "transport": [
+            *laminar_transports().values(),
+            "laminar_nccl.transport:TorchDistTransport",
+            "laminar_rdma.transport:NixlTransport",
+        ],
+        "repack": list(laminar_repack_policies().values()),
+    }
+    checked = 0
+    for kind, specs in targets.items():
+        for spec in specs:
+            if importlib.util.find_spec(spec.split(".")[0]) is None:
+                continue  # a plugin not installed here
+            assert missing_methods(import_spec(spec), INTERFACES[kind]) == [], spec
+            checked += 1
+    assert checked >= 7

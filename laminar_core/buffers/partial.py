@@ -7,6 +7,7 @@ output on every heartbeat; repack and failure recovery resume trajectories from 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from laminar_core.types import GenerationRequest, PartialTrajectory
 
@@ -19,6 +20,7 @@ class InFlight:
     partial: PartialTrajectory | None = None
     attempt: int = 0  # bumped on every re-dispatch; stale completions are ignored
     replicas: tuple[str, ...] = ()  # replica history
+    episode: Any = None  # multi-turn: its environment episode and turns (loop.episodes)
 
 
 class PartialPool:

@@ -20,6 +20,7 @@ def check_values(cfg: LaminarConfig) -> None:
     """Every schema-level check (see module docstring)."""
     _positive(cfg)
     _buffer(cfg)
+    _telemetry(cfg)
     _data_reward(cfg)
     _runtime(cfg)
     import torch  # only here: parsing a config must not pay for torch
@@ -49,6 +50,7 @@ def _positive(cfg: LaminarConfig) -> None:
         ("study.warmup_steps", cfg.study.warmup_steps, 0),
         ("rollout.max_restarts", cfg.rollout.max_restarts, 0),
         ("trainer.max_restarts", cfg.trainer.max_restarts, 0),
+        ("run.max_failed_steps", cfg.run.max_failed_steps, 0),
     ]
     for key, value, low in rules:
         if value < low:
@@ -126,6 +128,18 @@ def _runtime(cfg: LaminarConfig) -> None:
 
 
 STALE_POLICIES = ("drop", "wait")
+
+
+ENGINE_LOGS = ("run_dir", "terminal")
+
+
+def _telemetry(cfg: LaminarConfig) -> None:
+    where = cfg.telemetry.engine_logs
+    if where not in ENGINE_LOGS:
+        raise ConfigError(
+            f"telemetry.engine_logs: unknown '{where}'{close_match(where, ENGINE_LOGS)}; "
+            f"known: {', '.join(ENGINE_LOGS)}"
+        )
 
 
 def _buffer(cfg: LaminarConfig) -> None:

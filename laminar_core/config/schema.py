@@ -22,6 +22,9 @@ class RunConfig:
     checkpoint_every: int = 0  # steps between checkpoints; 0: only at the end; -1: never
     resume: str = ""  # a run directory (or one of its checkpoints) to continue from
     checkpoint_on_stop: bool = True  # Ctrl-C / SIGTERM: save a checkpoint before stopping
+    # stop with an error once every trajectory of this many consecutive steps failed (nothing
+    # trains: e.g. every reward raises); 0: never
+    max_failed_steps: int = 3
 
 
 @dataclass
@@ -129,6 +132,10 @@ class RelayConfig:
     # (its stall is that copy; the push to the master runs in the background). false: the
     # trainer waits until the master relay holds the version (no extra host copy).
     stage_push: bool = True
+    # Relays on the nodes (nccl, rdma): the trainer's endpoint is in trainer rank 0's actor,
+    # so versions go rank 0 -> master relay. false: rank 0 exports to the driver (through
+    # Ray's object store) and the driver pushes (one more copy of the model per version).
+    push_from_rank0: bool = True
 
 
 @dataclass
@@ -204,6 +211,9 @@ class TelemetryConfig:
     progress: bool = True  # console line per step
     tensorboard: bool = True  # RUN_DIR/tensorboard/ event files (needs the tensorboard package)
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    # Where the engines' and Ray's own output goes: RUN_DIR/logs/<actor>.log ("run_dir"), or
+    # the terminal ("terminal", what `laminar train --verbose` sets).
+    engine_logs: str = "run_dir"
 
 
 @dataclass
@@ -236,6 +246,24 @@ class AlgorithmConfig:
 
 
 @dataclass
+class EnvConfig:
+    """The ``env:`` section: the environment a multi-turn (tool-calling) rollout talks to.
+
+    ``name`` (a plugin of kind ``env``; empty: no environment, single-turn rollouts),
+    ``max_turns`` tool turns per trajectory, ``timeout_s`` per tool call (a timeout is an
+    observation), the tool-call ``parser`` (kind ``parser``) and its ``parser_options``, and
+    the environment's own ``options`` (validated by its ``Options``)."""
+
+    name: str = ""
+    max_turns: int = 8
+    timeout_s: float = 30.0
+    parser: str = "code"
+    parser_options: dict[str, Any] = field(default_factory=dict)
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+
+@dataclass
 class LaminarConfig:
     run: RunConfig = field(default_factory=RunConfig)
     schedule: str = "laminar"
@@ -252,6 +280,7 @@ class LaminarConfig:
     study: StudyConfig = field(default_factory=StudyConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
 
 
 # section -> (field naming the engine, plugin kind): extra keys there are engine options

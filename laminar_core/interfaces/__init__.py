@@ -1,6 +1,17 @@
-"""The four interfaces an engine implements. Plugins import from here or ``laminar_core``."""
+"""The interfaces an engine (or environment) implements. Plugins import from here or
+``laminar_core``."""
 
 from laminar_core.interfaces.build import BuildContext, build
+from laminar_core.interfaces.environment import (
+    EnvContext,
+    EnvFailure,
+    Environment,
+    EnvUnavailable,
+    Episode,
+    StepResult,
+    ToolCall,
+    ToolCallParser,
+)
 from laminar_core.interfaces.repack import RepackPolicy
 from laminar_core.interfaces.rollout import ReplicaFailure, RolloutEngine
 from laminar_core.interfaces.trainer import (
@@ -21,13 +32,21 @@ from laminar_core.interfaces.weights import (
 __all__ = [
     "Alloc",
     "BuildContext",
+    "EnvContext",
+    "EnvFailure",
+    "EnvUnavailable",
+    "Environment",
+    "Episode",
     "ModelOnly",
     "RepackPolicy",
     "ReplicaFailure",
     "RolloutEngine",
     "SharedVersionGone",
     "SharedWeights",
+    "StepResult",
     "TensorWeights",
+    "ToolCall",
+    "ToolCallParser",
     "TrainerContext",
     "TrainerEngine",
     "TrainerFailure",

@@ -1,9 +1,12 @@
 """How the runtime constructs engines from config.
 
 A plugin registers a *class*. If it has an ``Options`` dataclass, the engine's section of the
-config (``rollout.<name>``, ``trainer.<name>``, ``relay.<name>``) is validated against it.
-The runtime builds an instance with ``cls.from_config(ctx)`` when the class defines it,
-else ``cls(ctx)``.
+config (``rollout.<name>``, ``trainer.<name>``, ``relay.<name>``) is validated against it
+(unknown keys and wrong types are config errors; an engine without ``Options`` takes no
+section). When the config is resolved, the chosen class is also checked against its
+interface (it subclasses it, or has each of its abstract methods): a missing method is a
+one-line config error before anything starts. Each process of the run then builds its
+instance with ``cls.from_config(ctx)`` when the class defines it, else ``cls(ctx)``.
 """
 
 from __future__ import annotations
@@ -31,5 +34,6 @@ class BuildContext:
 
 
 def build(factory: Any, ctx: BuildContext) -> Any:
+    """``factory.from_config(ctx)`` if it has one, else ``factory(ctx)``."""
     from_config = getattr(factory, "from_config", None)
     return from_config(ctx) if from_config is not None else factory(ctx)

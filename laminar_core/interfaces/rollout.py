@@ -17,7 +17,8 @@ class ReplicaFailure(RuntimeError):
 
 
 class RolloutEngine(abc.ABC):
-    """One inference replica.
+    """One inference replica. The full guide, with a complete engine: ``docs/plugins.md``;
+    ``laminar_core.testing.check_rollout_engine`` checks every rule below.
 
     Lifecycle, driven by the rollout manager's driver coroutine for this replica:
 
@@ -37,30 +38,82 @@ class RolloutEngine(abc.ABC):
        in shared memory, or a simulated version (no tensors).
     5. ``await stats()`` at any time (also the heartbeat).
     6. ``await stop()`` once.
+
+    What training relies on:
+
+    * **Never block the event loop.** The manager, the heartbeats, the relay events and
+      (in-process) every other replica share it: run the model on a worker thread
+      (``asyncio.to_thread``) or in other processes, and await it.
+    * **A finished trajectory** (``generate``'s result) carries ``prompt_ids``, the
+      ``response_ids`` it sampled and one log-prob per response token; ``finish_reason``
+      ``STOP`` (end-of-sequence token or a stop string) or ``LENGTH`` (``max_tokens``,
+      which bounds the whole response, a resumed prefix included); ``version`` and
+      ``versions`` (the versions that generated it, oldest first; one unless resumed
+      across versions); and **``metadata`` = a copy of ``request.metadata``** (the engine
+      may add keys): the reward reads the prompt's row from it, so an engine that drops it
+      fails every reward and nothing trains.
+    * **Log-probs** are ``log_softmax(logits / temperature)`` of the sampled token under
+      the weights that sampled it (what the trainer recomputes; ``top_p`` 1). The
+      end-of-sequence token that ends a response is kept in ``response_ids``, with its
+      log-prob (the trainer learns to stop from it). ``temperature == 0`` is greedy.
+    * **Stop strings** (``sampling.stop``): generation stops once the decoded response
+      contains one; the token that completed it is the last one kept.
+    * **A simulated engine** (no tokens) leaves the ``*_ids`` lists empty and reports
+      lengths in ``num_prompt_tokens`` / ``num_response_tokens``.
+    * **A dead replica** raises ``ReplicaFailure`` from any call; the manager recovers its
+      trajectories from the partial-response pool.
     """
 
     replica_id: str
 
     @abc.abstractmethod
-    async def start(self) -> None: ...
+    async def start(self) -> None:
+        """Load the model (``BuildContext.config.model.path``) and get ready to generate."""
 
     @abc.abstractmethod
-    async def generate(self, request: GenerationRequest) -> Trajectory: ...
+    async def generate(self, request: GenerationRequest) -> Trajectory:
+        """Generate one trajectory (see the class docstring for what it must carry)."""
 
     @abc.abstractmethod
-    async def abort(self, traj_ids: list[str]) -> list[PartialTrajectory]: ...
+    async def abort(self, traj_ids: list[str]) -> list[PartialTrajectory]:
+        """Stop these in-flight trajectories; return one ``PartialTrajectory`` each (ids not
+        in flight any more are skipped) holding everything they produced, and make their
+        ``generate`` calls return ``finish_reason=ABORTED`` with the same tokens."""
 
     @abc.abstractmethod
-    async def partials(self, traj_ids: list[str] | None = None) -> list[PartialTrajectory]: ...
+    async def partials(self, traj_ids: list[str] | None = None) -> list[PartialTrajectory]:
+        """What these in-flight trajectories (``None``: all) produced so far, without
+        stopping them."""
 
     @abc.abstractmethod
     async def update_weights(self, weights: WeightsRef) -> None:
-        """Load ``weights`` (``TensorWeights``, ``SharedWeights`` or ``ModelOnly``); the
-        engine then holds ``weights.version``. Raises without changing the weights when the
-        version cannot be loaded (e.g. ``SharedVersionGone``)."""
+        """Load ``weights``; the engine then holds ``weights.version``.
+
+        Exactly one of three kinds arrives (``interfaces.weights``):
+
+        * ``TensorWeights``: iterate it for ``(name, tensor)`` in memory;
+        * ``SharedWeights``: iterating it maps a node relay's file in ``/dev/shm`` and yields
+          views (load them straight from there; being ``node_local``, it may be handed to
+          the engine's worker processes on the node as is, a few bytes);
+        * ``ModelOnly``: a simulated trainer's version, no tensors: only record the version.
+
+        Names, shapes and dtypes are the Hugging Face model's (``named_parameters()``), in
+        the trainer's export order; a tied output embedding is sent once, as the input
+        embedding (no ``lm_head.weight``). Raises without changing the weights when the
+        version cannot be loaded (``SharedWeights`` raises ``LookupError`` /
+        ``SharedVersionGone`` before its first tensor). Called only while nothing is in
+        flight."""
 
     @abc.abstractmethod
-    async def stats(self) -> EngineStats: ...
+    async def stats(self) -> EngineStats:
+        """The replica's load as its scheduler sees it, and the version it holds.
+
+        ``running``: trajectories being decoded; ``waiting``: accepted, not started;
+        ``kv_use`` (0..1) and ``kv_capacity_tokens``: the KV cache's share in use and size.
+        An engine without a paged KV cache reports what it holds in flight (prompt +
+        generated tokens) against its own limit of tokens in flight. Repack reads these to
+        pick ramp-down replicas; it must be cheap (it is also the heartbeat)."""
 
     @abc.abstractmethod
-    async def stop(self) -> None: ...
+    async def stop(self) -> None:
+        """Release the model and everything the engine started (processes, files)."""

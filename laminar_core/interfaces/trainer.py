@@ -38,7 +38,10 @@ class TrainerContext:
 
 
 class TrainerEngine(abc.ABC):
-    """One rank of an SPMD trainer group.
+    """One rank of an SPMD trainer group (guide: ``docs/plugins.md``).
+
+    Every method is a coroutine and must not block the event loop (the runtime's actor
+    serves its calls from it): run blocking work with ``asyncio.to_thread``.
 
     Lifecycle, driven by the controller on every rank in lock-step:
 
@@ -57,11 +60,15 @@ class TrainerEngine(abc.ABC):
     """
 
     @abc.abstractmethod
-    async def setup(self, ctx: TrainerContext) -> None: ...
+    async def setup(self, ctx: TrainerContext) -> None:
+        """Join the group (``ctx.rank`` of ``ctx.world_size``; ``ctx.options`` holds the
+        rendezvous ``init_method`` under a real runtime) and load ``model.path``."""
 
     @abc.abstractmethod
     async def compute_logprobs(self, batch: TrainBatch) -> list[list[float]]:
-        """Log-probs of each trajectory's response tokens under the current weights."""
+        """Log-probs of each trajectory's response tokens under the current weights:
+        ``log_softmax(logits / rollout.temperature)`` of each token, as the rollout
+        engines report them (the end-of-sequence token included)."""
 
     @abc.abstractmethod
     async def train_step(self, batch: TrainBatch) -> dict[str, float]:
@@ -75,13 +82,17 @@ class TrainerEngine(abc.ABC):
         off the loop (``asyncio.to_thread``), e.g. with ``iterate_in_thread``."""
 
     @abc.abstractmethod
-    async def save_checkpoint(self, directory: str) -> None: ...
+    async def save_checkpoint(self, directory: str) -> None:
+        """Write this rank's state (weights, optimiser, scheduler, version) under
+        ``directory`` (collective: every rank calls it)."""
 
     @abc.abstractmethod
-    async def load_checkpoint(self, directory: str) -> None: ...
+    async def load_checkpoint(self, directory: str) -> None:
+        """Restore what ``save_checkpoint`` wrote (collective)."""
 
     @abc.abstractmethod
-    async def close(self) -> None: ...
+    async def close(self) -> None:
+        """Leave the group and release what ``setup`` took."""
 
 
 async def iterate_in_thread(

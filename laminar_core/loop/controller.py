@@ -11,6 +11,10 @@ out) is restarted by the runtime and restored from the latest checkpoint while t
 keep generating; the prompts it had trained on since that checkpoint are handed out again, so
 each prompt still contributes to the final model exactly once. A relay tier that cannot
 deliver any new version for ``relay.max_unavailable_s`` stops the run with the cause.
+
+A run in which nothing trains stops: once every trajectory of ``max_failed_steps``
+consecutive steps failed (rewards raising, engines erroring), ``run`` raises a
+``RuntimeError`` naming the first error, instead of "training" on nothing until the end.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from laminar_core.loop.trainer_group import TrainerGroup
 from laminar_core.relay.protocol import RelayUnavailable
 from laminar_core.relay.tier import PublishResult, RelayTier
 from laminar_core.telemetry import EventLog, MetricsWriter
-from laminar_core.types import Group, TrainBatch
+from laminar_core.types import FinishReason, Group, TrainBatch, Trajectory
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +53,7 @@ class ControllerOptions:
     stale_policy: str = "drop"  # drop: hand the prompt out again; wait: see _sample
     max_trainer_restarts: int = 2
     max_unavailable_s: float = 0.0  # no version delivered for this long: stop (0: never)
+    max_failed_steps: int = 3  # every trajectory of this many steps failed: stop (0: never)
 
 
 @dataclass
@@ -64,6 +69,29 @@ class StepRecord:
     stall: float
     metrics: dict[str, float] = field(default_factory=dict)
     reward_mean: float | None = None
+    rollout: dict[str, float] = field(default_factory=dict)  # e.g. tool calls (multi-turn)
+
+
+def tool_metrics(trajs: list[Any]) -> dict[str, float]:
+    """Per-step figures of multi-turn trajectories (``metadata["env"]``): tool calls and
+    turns per trajectory, tool latency p50 / p99 (s), tool errors and timeouts."""
+    envs = [t.metadata["env"] for t in trajs if "env" in t.metadata]
+    if not envs:
+        return {}
+    lat = sorted(x for e in envs for x in e.get("tool_seconds", []))
+
+    def pct(q: float) -> float:
+        return lat[min(len(lat) - 1, int(q * len(lat)))] if lat else 0.0
+
+    errors = [e.get("errors", {}) for e in envs]
+    return {
+        "tool_calls_mean": sum(e.get("tool_calls", 0) for e in envs) / len(envs),
+        "turns_mean": sum(e.get("turns", 0) for e in envs) / len(envs),
+        "tool_latency_p50": pct(0.5),
+        "tool_latency_p99": pct(0.99),
+        "tool_errors": float(sum(sum(v.values()) for v in errors)),
+        "tool_timeouts": float(sum(v.get("timeout", 0) + v.get("no_answer", 0) for v in errors)),
+    }
 
 
 class StopRequested(Exception):
@@ -107,6 +135,7 @@ class Controller:
         self._republish = False  # after a restore: replicas must get the restored weights
         self._unavailable_since: float | None = None  # publishes failing since then
         self._unavailable_why = ""
+        self._failed: list[list[Trajectory]] = []  # trailing steps whose every trajectory failed
         self._stop = asyncio.Event()
 
     # --- checkpoints ---------------------------------------------------------------------------
@@ -207,6 +236,7 @@ class Controller:
         batch = await self._sample()
         t1 = loop.time()
         trajs = batch.trajectories
+        self._check_failures(trajs)
         if self.keep_batches:
             self.batches.append(batch)
         try:
@@ -238,6 +268,7 @@ class Controller:
             stall=pub.stall_seconds,
             metrics=dict(metrics),
             reward_mean=sum(rewards) / len(rewards) if rewards else None,
+            rollout=tool_metrics(trajs),
         )
         self.records.append(rec)
         self.events.record(t1, "wait_data", "trainer", duration=t1 - t0, step=step)
@@ -255,6 +286,33 @@ class Controller:
         prev_end = self.records[-2].end if len(self.records) > 1 else self.t_start
         self.metrics.write(self._row(rec, prev_end))
         return True
+
+    def _check_failures(self, trajs: list[Trajectory]) -> None:
+        """Count the trailing steps whose every trajectory failed; raise at the limit."""
+        if not trajs or any(t.finish_reason is not FinishReason.FAILED for t in trajs):
+            self._failed.clear()
+            return
+        self._failed.append(trajs)
+        n = self.opt.max_failed_steps
+        if n <= 0 or len(self._failed) < n:
+            return
+        failed = [t for step in self._failed for t in step]
+        errors = [t.error or "no error recorded" for t in failed]
+        first = errors[0]
+        others = len(set(errors)) - 1
+        msg = (
+            f"every trajectory of the last {n} steps failed ({len(failed)} trajectories), so "
+            f"nothing trains; the first error: {first}"
+        )
+        if others:
+            msg += f" ({others} other distinct error(s))"
+        if first.startswith("reward:"):
+            msg += (
+                ". When every reward fails, check that the rollout engine copies "
+                "request.metadata into Trajectory.metadata (rewards read the prompt's row "
+                "from it; laminar_core.testing.check_rollout_engine checks it)"
+            )
+        raise RuntimeError(f"{msg}. run.max_failed_steps={n} sets this limit (0: never)")
 
     def _tell_manager(self, pub: PublishResult, version: int, consumed: int) -> None:
         if pub.pushed is None or pub.pushed.done():
@@ -444,6 +502,7 @@ class Controller:
             "replica_restarts": self.manager.replica_restarts,
             "trainer_restarts": self.trainer_restarts,
             "stale_dropped": self.stale_dropped,
+            **rec.rollout,
             **rec.metrics,
         }
 

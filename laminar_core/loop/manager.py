@@ -33,6 +33,7 @@ from laminar_core.interfaces import (
     SharedVersionGone,
     WeightsRef,
 )
+from laminar_core.loop.episodes import EpisodeRestart, Episodes
 from laminar_core.loop.schedules import Schedule
 from laminar_core.relay.events import RelayEvent, RelayEvents
 from laminar_core.telemetry import EventLog
@@ -124,6 +125,7 @@ class RolloutManager:
         reward_fn: RewardFn | None = None,
         events: EventLog | None = None,
         restart: RestartFn | None = None,
+        episodes: Episodes | None = None,
     ) -> None:
         self.slots = slots
         self.by_id = {s.replica_id: s for s in slots}
@@ -141,9 +143,11 @@ class RolloutManager:
         self.redirected = 0
         self.restarted = 0
         self.failed_replicas: list[str] = []
+        self.episodes = episodes  # multi-turn: the environment's episodes (None: single-turn)
         self.restart_fn = restart  # None: a failed replica stays out (e.g. studies)
         self.replica_restarts = 0
         self.evicted_replicas: list[str] = []
+        self.first_trajectory_at: float | None = None  # loop time the first one finished
         # Replace a dead node relay (the runtime's restart_relay: it rejoins the chain and
         # catches up); None: relays are not restarted (they live in the driver).
         self.restart_relay_fn: Callable[[int], Awaitable[None]] | None = None
@@ -153,7 +157,9 @@ class RolloutManager:
         self.discarded = 0  # results of superseded attempts (moved, redirected) ignored
         self.refused_moves = 0
         self.fatal: asyncio.Future | None = None  # set if the manager itself breaks
-        self._orphans: deque[InFlight] = deque()  # need a replica of any version, from scratch
+        # need a replica of any version: from scratch (None), or a multi-turn trajectory's
+        # next turn whose own replica is not taking work
+        self._orphans: deque[tuple[InFlight, PartialTrajectory | None]] = deque()
         self._open: dict[str, ReplicaSlot] = {s.replica_id: s for s in slots}
         self._newest_open: int | None = None  # cache of max version in _open; None: stale
         self._tasks: set[asyncio.Task] = set()
@@ -168,6 +174,8 @@ class RolloutManager:
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self.fatal = self._loop.create_future()
+        if self.episodes is not None:
+            await self.episodes.start()
         await asyncio.gather(*(s.engine.start() for s in self.slots))
         for relay in {id(s.relay): s.relay for s in self.slots}.values():
             relay.events.subscribe(self._relay_listener(relay))
@@ -216,6 +224,8 @@ class RolloutManager:
         await asyncio.gather(
             *(s.engine.stop() for s in self.slots if s.alive), return_exceptions=True
         )
+        if self.episodes is not None:
+            await self.episodes.close()
 
     def now(self) -> float:
         assert self._loop is not None
@@ -288,9 +298,10 @@ class RolloutManager:
             slot = self._least_loaded(1)
             if slot is None:
                 return
-            item = self._orphans.popleft()
-            item.version = slot.version
-            self._launch(slot, item, None)
+            item, resume = self._orphans.popleft()
+            if resume is None:
+                item.version = slot.version
+            self._launch(slot, item, resume)
         samples = self.prompts.samples
         adm = self.admission
         while adm.open():
@@ -371,10 +382,18 @@ class RolloutManager:
             return
         if traj.finish_reason is FinishReason.ABORTED:
             return  # whoever aborted it (repack, partial rollout) resumes it
+        multi_turn = self.episodes is not None and traj.finish_reason is not FinishReason.FAILED
+        if multi_turn and await self._next_turn(slot, item, traj):
+            return
         self.pool.pop(tid)
         slot.inflight.discard(tid)
+        if item.episode is not None:  # failed mid-episode: end the episode too
+            self._restart_episode(item)
         traj.replicas = list(item.replicas)
-        if self.reward_fn is not None and traj.finish_reason is not FinishReason.FAILED:
+        env_reward = traj.metadata.get("env_reward")
+        if env_reward is not None:  # the environment scored the episode itself
+            traj.reward = float(env_reward)
+        elif self.reward_fn is not None and traj.finish_reason is not FinishReason.FAILED:
             try:
                 reward = self.reward_fn(traj)
                 if inspect.isawaitable(reward):
@@ -390,13 +409,55 @@ class RolloutManager:
             duration=traj.finish_time - traj.start_time,
             id=tid,
             version=traj.version,
+            versions=traj.versions or [traj.version],
             tokens=traj.num_response_tokens,
         )
         self.buffer.write(traj)
+        if self.first_trajectory_at is None:
+            self.first_trajectory_at = self.now()
         self._finished.set()
         if not slot.inflight:
             slot.wake.set()
         self._kick()
+
+    # -- multi-turn ---------------------------------------------------------------------------
+    async def _next_turn(self, slot: ReplicaSlot, item: InFlight, traj: Trajectory) -> bool:
+        """A model turn ended: the trajectory leaves the replica while its tool runs, then
+        its next turn goes back to a replica (``loop.episodes``). False: it is done."""
+        assert self.episodes is not None
+        tid = traj.traj_id
+        slot.inflight.discard(tid)  # no batch slot held while the tool runs
+        if not slot.inflight:
+            slot.wake.set()  # the replica may load a newer version meanwhile
+        try:
+            item.episode, resume = await self.episodes.after_turn(
+                item.episode, dict(item.request.metadata), traj
+            )
+        except EpisodeRestart as e:
+            log.warning("trajectory %s starts over: %s", tid, e)
+            self.restarted += 1
+            self._restart_episode(item)
+            self._orphans.append((item, None))
+            self._kick()
+            return True
+        if resume is None:
+            item.episode = None  # done: the episode ended with it
+            return False
+        # the replica where its prefix is cached, unless it is not taking work
+        target = slot if slot.alive and slot.replica_id in self._open else None
+        if target is not None and len(target.inflight) < self.opt.max_concurrent:
+            self._launch(target, item, resume)
+        else:
+            self._orphans.append((item, resume))
+            self._kick()
+        return True
+
+    def _restart_episode(self, item: InFlight) -> None:
+        """``item`` starts over from its prompt: its episode ends (a new one at its first
+        turn)."""
+        if item.episode is not None and self.episodes is not None:
+            self._spawn(self.episodes.forget(item.episode))
+        item.episode = None
 
     # -- weights -----------------------------------------------------------------------------
     def _relay_listener(self, relay: NodeRelayLike) -> Callable[[RelayEvent], None]:
@@ -696,6 +757,24 @@ class RolloutManager:
             if s.relay is relay:
                 s.wake.set()
 
+    def add_replica(self, engine: RolloutEngine, relay: NodeRelayLike, version: int) -> None:
+        """A replica that joined the run (a new node, ``runtime.elastic``), started and at
+        ``version``: it loads its node relay's newest version, then takes work."""
+        slot = ReplicaSlot(engine.replica_id, len(self.slots), engine, relay, version)
+        if all(s.relay is not relay for s in self.slots):
+            relay.events.subscribe(self._relay_listener(relay))
+        self.slots.append(slot)
+        self.by_id[slot.replica_id] = slot
+        self.events.record(self.now(), "replica_added", slot.replica_id, node=relay.node)
+        log.warning("replica %s joined (node %s)", slot.replica_id, relay.node)
+        if relay.version > slot.version:
+            slot.wake.set()  # pull first
+        else:
+            self._open[slot.replica_id] = slot
+            self._newest_open = None
+        self._spawn(self._driver(slot))
+        self._kick()
+
     def _may_restart(self, slot: ReplicaSlot) -> bool:
         """Record a failure now; False once there were more than ``max_restarts`` within
         ``restart_window_s`` (the replica is then evicted)."""
@@ -788,7 +867,8 @@ class RolloutManager:
         else:
             self.restarted += 1
             item.partial = None
-            self._orphans.append(item)
+            self._restart_episode(item)
+            self._orphans.append((item, None))
 
     # -- accounting --------------------------------------------------------------------------
     def inflight_ids(self) -> list[str]:

@@ -56,3 +56,11 @@ def laminar_rewards() -> dict[str, object]:
         "exact_match": "laminar_core.tasks.rewards:exact_match",
         "contains": "laminar_core.tasks.rewards:contains",
     }
+
+
+@hookimpl
+def laminar_tool_parsers() -> dict[str, object]:
+    return {
+        "code": "laminar_core.envs.parsers:CodeBlockParser",
+        "tool_call": "laminar_core.envs.parsers:JsonToolCallParser",
+    }

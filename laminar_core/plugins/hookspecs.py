@@ -41,6 +41,11 @@ _KIND_TABLE: tuple[KindSpec, ...] = (
     KindSpec("task", "laminar_tasks", "task"),
     # Reward functions: fn(response: str, row: dict, **reward.options) -> float.
     KindSpec("reward", "laminar_rewards", "reward"),
+    # Multi-turn environments: Environment subclasses built with an EnvContext
+    # (laminar_core.interfaces.environment); their ``Options`` validate ``env.options``.
+    KindSpec("env", "laminar_environments", "environment"),
+    # Tool-call parsers: ToolCallParser classes built with ``env.parser_options``.
+    KindSpec("parser", "laminar_tool_parsers", "tool-call parser"),
 )
 
 #: Plugin kinds in declaration order, keyed by kind (``"rollout"`` -> its :class:`KindSpec`).

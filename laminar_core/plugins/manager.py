@@ -3,9 +3,11 @@
 A :class:`PluginManager` collects, per kind (see :data:`~laminar_core.plugins.hookspecs.KINDS`),
 a mapping ``name -> factory`` from every registered plugin. Plugins come from the
 ``"laminar"`` entry-point group (:meth:`PluginManager.load_entry_points`) or are registered by
-hand (:meth:`PluginManager.register`). Loading never raises: broken plugins, hooks that raise
-and duplicate names are recorded in :attr:`PluginManager.failures` and everything else keeps
-working. Lazy ``"module:Attr"`` factories are imported only by :meth:`PluginManager.get`.
+hand (:meth:`PluginManager.register`). Loading never raises: broken plugins, hooks that raise,
+hook names that are not Laminar's (a typo such as ``laminar_rollout_engin``) and duplicate
+names are recorded in :attr:`PluginManager.failures` and everything else keeps working; a
+plugin that loads but provides no name is listed in :attr:`PluginManager.empty`. Lazy
+``"module:Attr"`` factories are imported only by :meth:`PluginManager.get`.
 """
 
 from __future__ import annotations
@@ -83,6 +85,7 @@ class UnknownPluginError(KeyError):
         known: Iterable[str],
         related_failures: Iterable[PluginLoadError] = (),
         other_failures: int = 0,
+        related_empty: Iterable[PluginLoadError] = (),
     ) -> None:
         self.kind = kind
         self.name = name
@@ -90,6 +93,7 @@ class UnknownPluginError(KeyError):
         self.suggestions = difflib.get_close_matches(name, self.known, n=3)
         self.related_failures = list(related_failures)
         self.other_failures = other_failures
+        self.related_empty = list(related_empty)
         super().__init__(kind, name)
 
     def __str__(self) -> str:
@@ -99,6 +103,8 @@ class UnknownPluginError(KeyError):
             msg += f" (did you mean {' or '.join(repr(s) for s in self.suggestions)}?)"
         for failure in self.related_failures:
             msg += f"; plugin {failure.source} failed to load: {failure.error}"
+        for empty in self.related_empty:
+            msg += f"; plugin {empty.source} registered nothing: {empty.error}"
         if self.other_failures:
             msg += (
                 f"; {self.other_failures} plugin(s) failed to load"
@@ -138,6 +144,10 @@ class PluginManager:
     def __init__(self, entry_point_group: str = PROJECT_NAME) -> None:
         self.entry_point_group = entry_point_group
         self.failures: list[PluginLoadError] = []
+        #: Plugins that loaded but provide no name (``error`` says why): listed by
+        #: ``laminar plugins``, since a plugin that silently adds nothing looks like a typo'd
+        #: engine name to its user.
+        self.empty: list[PluginLoadError] = []
         self._pm = pluggy.PluginManager(PROJECT_NAME)
         self._pm.add_hookspecs(LaminarHookSpecs)
         self._entries: dict[str, dict[str, _Entry]] = {kind: {} for kind in KINDS}
@@ -211,6 +221,10 @@ class PluginManager:
             return fail(_one_line(exc))
         if plugin_name is None:  # blocked in pluggy
             return fail("plugin is blocked")
+        problems = _hook_problems(self._pm, obj)
+        if problems:
+            self._pm.unregister(name=plugin_name)
+            return fail("; ".join(problems))
 
         # Collect everything first so a plugin is either fully present or fully absent.
         collected: list[tuple[KindSpec, dict[str, object]]] = []
@@ -225,6 +239,9 @@ class PluginManager:
                     return fail(f"{spec.hook}() raised {_one_line(exc)}")
                 collected.append((spec, result))
 
+        if not any(result for _, result in collected):
+            why = "its hooks returned no names" if collected else _NO_HOOKS
+            self.empty.append(PluginLoadError(source, why, entry_point, package))
         for spec, result in collected:
             table = self._entries[spec.kind]
             for key, factory in result.items():
@@ -281,7 +298,12 @@ class PluginManager:
         if entry is None:
             related = [f for f in self.failures if _failure_mentions(f, name)]
             raise UnknownPluginError(
-                kind, name, table, related, other_failures=len(self.failures) - len(related)
+                kind,
+                name,
+                table,
+                related,
+                other_failures=len(self.failures) - len(related),
+                related_empty=[e for e in self.empty if _failure_mentions(e, name)],
             )
         if entry.resolved is None:
             entry.resolved = self._resolve(KINDS[kind], name, entry)
@@ -320,7 +342,8 @@ class PluginManager:
     # ----------------------------------------------------------------- display
 
     def format_table(self) -> str:
-        """Plain-text table (KIND, NAME, PACKAGE, VERSION) plus a "failed to load:" section."""
+        """Plain-text table (KIND, NAME, PACKAGE, VERSION) plus "failed to load:" and
+        "registered nothing:" sections."""
         header = ("KIND", "NAME", "PACKAGE", "VERSION")
         rows = [(i.kind, i.name, i.package or "-", i.version or "-") for i in self.infos()]
         widths = [max(len(r[c]) for r in [header, *rows]) for c in range(len(header))]
@@ -333,11 +356,62 @@ class PluginManager:
             lines.append("(no plugins registered)")
         if self.failures:
             lines += ["", "failed to load:", *(f"  {f}" for f in self.failures)]
+        if self.empty:
+            lines += ["", "registered nothing:", *(f"  {e}" for e in self.empty)]
         return "\n".join(lines)
 
 
 def _ep_source(package: str, ep_name: str) -> str:
     return f"{package} (entry point {ep_name!r})" if package else f"entry point {ep_name!r}"
+
+
+_NO_HOOKS = "no function marked @hookimpl (from laminar_core import hookimpl)"
+_HOOK_NAMES = [spec.hook for spec in KINDS.values()]
+
+
+def _hook_problems(pm: pluggy.PluginManager, plugin: object) -> list[str]:
+    """What is wrong with ``plugin``'s hooks, one phrase each (empty: nothing).
+
+    A ``@hookimpl`` whose name is no Laminar hook would never be called: pluggy reports it
+    only from ``check_pending()``, which this runs for the one plugin (so one bad plugin
+    does not blame the others). A function named like a hook but not marked ``@hookimpl``
+    is never called either.
+    """
+    problems = []
+    marked = set()
+    for caller in pm.get_hookcallers(plugin) or []:
+        marked.add(caller.name)
+        if caller.has_spec():
+            continue
+        if any(not i.optionalhook for i in caller.get_hookimpls() if i.plugin is plugin):
+            problems.append(f"unknown hook {caller.name!r}{_hook_hint(caller.name)}")
+    for attr in dir(plugin):
+        if attr in marked or not attr.startswith("laminar_"):
+            continue
+        if attr not in _HOOK_NAMES and not _close_hook(attr):
+            continue  # a helper that merely starts with laminar_
+        try:
+            value = getattr(plugin, attr)
+        except Exception:
+            continue
+        if callable(value):
+            hint = "" if attr in _HOOK_NAMES else _hook_hint(attr)
+            problems.append(f"{attr!r} is not marked @hookimpl{hint}")
+    return problems
+
+
+def _close_hook(name: str) -> str | None:
+    """The hook ``name`` is probably a typo of (every hook starts with ``laminar_``, so
+    only a close match counts)."""
+    close = difflib.get_close_matches(name, _HOOK_NAMES, n=1, cutoff=0.8)
+    return close[0] if close else None
+
+
+def _hook_hint(name: str) -> str:
+    close = _close_hook(name)
+    if close:
+        return f" (did you mean {close!r}?)"
+    return f"; Laminar's hooks are {', '.join(_HOOK_NAMES)}"
 
 
 def _validate(spec: KindSpec, result: object) -> dict[str, object]:

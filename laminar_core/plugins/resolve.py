@@ -3,9 +3,11 @@ become classes and each engine's section is validated by its own ``Options``.
 
 ``load_config(path, overrides)`` reads a file (``config.loader``), applies the overrides,
 checks keys, types and values against the schema (``config.checks``), then here: the chosen
-trainer, rollout engine and transport exist and their options are valid, the schedule,
-repack policy, task and reward names exist, and the schedule fits the sampler. The result
-is a ``ResolvedConfig``. Nothing starts before all of this passed.
+trainer, rollout engine and transport exist, implement their interface and their options
+are valid, the schedule, repack policy, task and reward names exist, and the schedule fits
+the sampler. The result is a ``ResolvedConfig``. Nothing starts before all of this passed.
+Only the chosen engines' modules are imported (the plugins' lazy factories of the others
+stay strings).
 """
 
 from __future__ import annotations
@@ -28,13 +30,49 @@ from laminar_core.config.loader import (
     structured,
 )
 from laminar_core.config.schema import ENGINE_SECTIONS, LaminarConfig
+from laminar_core.interfaces import RepackPolicy, RolloutEngine, TrainerEngine, WeightTransport
 from laminar_core.loop.schedules import (
     Schedule,
     ScheduleError,
     schedule_flags,
     split_schedule_name,
 )
+from laminar_core.plugins.hookspecs import KINDS
 from laminar_core.plugins.manager import PluginManager, UnknownPluginError, default_manager
+
+#: The interface a class registered for each kind implements.
+INTERFACES: dict[str, type] = {
+    "trainer": TrainerEngine,
+    "rollout": RolloutEngine,
+    "transport": WeightTransport,
+    "repack": RepackPolicy,
+}
+
+
+def missing_methods(cls: type, interface: type) -> list[str]:
+    """The abstract methods of ``interface`` that ``cls`` does not implement (sorted).
+
+    A subclass must leave none abstract; a class that does not subclass the interface
+    (duck typing) must at least have each of them."""
+    if issubclass(cls, interface):
+        return sorted(getattr(cls, "__abstractmethods__", ()))
+    return sorted(m for m in interface.__abstractmethods__ if not callable(getattr(cls, m, None)))
+
+
+def check_interface(kind: str, name: str, factory: Any, key: str) -> None:
+    """``ConfigError`` (one line) when the class chosen at ``key`` does not implement its
+    kind's interface, so a run fails here instead of with a traceback once its processes
+    started. A factory that is not a class (a function) is checked when it is built."""
+    interface = INTERFACES.get(kind)
+    if interface is None or not isinstance(factory, type):
+        return
+    missing = missing_methods(factory, interface)
+    if missing:
+        where = f"{factory.__module__}:{factory.__qualname__}"
+        raise ConfigError(
+            f"{key}: {KINDS[kind].label} '{name}' ({where}) does not implement "
+            f"{interface.__name__}: missing {', '.join(missing)} (see docs/plugins.md)"
+        )
 
 
 def _engine_options(
@@ -45,6 +83,7 @@ def _engine_options(
         factory = pm.get(kind, engine)
     except UnknownPluginError as e:
         raise ConfigError(f"{section}.{ENGINE_SECTIONS[section][0]}: {e}") from None
+    check_interface(kind, engine, factory, f"{section}.{ENGINE_SECTIONS[section][0]}")
     options_cls = getattr(factory, "Options", None)
     if raw is not None and not isinstance(raw, dict):
         raise ConfigError(
@@ -143,9 +182,20 @@ def validate(cfg: LaminarConfig, pm: PluginManager) -> None:
             f"(schedule is '{cfg.schedule}')"
         )
     try:
-        pm.get("repack", cfg.repack.policy)
+        policy = pm.get("repack", cfg.repack.policy)
     except UnknownPluginError as e:
         raise ConfigError(f"repack.policy: {e}") from None
+    check_interface("repack", cfg.repack.policy, policy, "repack.policy")
+    if cfg.env.name:
+        from laminar_core.envs.build import environment_options, make_parser
+
+        environment_options(cfg.env.name, dict(cfg.env.options), pm)
+        make_parser(cfg.env.parser, dict(cfg.env.parser_options), pm)
+        if cfg.env.max_turns < 1 or not cfg.env.timeout_s > 0:
+            raise ConfigError(
+                f"env.max_turns must be >= 1 and env.timeout_s > 0 (got {cfg.env.max_turns}, "
+                f"{cfg.env.timeout_s})"
+            )
 
 
 def resolve(

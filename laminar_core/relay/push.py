@@ -21,6 +21,7 @@ latency model's ``k*``; with none of them ``bucket_bytes`` fixes the chunk size.
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import math
 from collections.abc import AsyncIterable, AsyncIterator, Iterable
@@ -103,7 +104,7 @@ class Outgoing:
         version: int,
         nbytes: int,
         chunk: int,
-        transport: WeightTransport,
+        transport: WeightTransport | None,
         *,
         staged: list[Bucket] | None = None,
         packer: BucketPacker | None = None,
@@ -155,35 +156,43 @@ class Outgoing:
             yield b
         self._export = None  # walked: a replay needs a fresh export or the staged copy
 
+    def _wire(self) -> WeightTransport:
+        if self._transport is None:
+            raise RuntimeError(f"version {self.version}: this stream has no transport to send on")
+        return self._transport
+
     async def send(self, master_rank: int) -> None:
         """Send every bucket to ``master_rank``: each is checked before it leaves, and the
         last is held back until the export is exhausted, so a wrong-sized export never
         completes a version. ``manifest_ready`` is set just before the last bucket goes."""
+        wire = self._wire()
         held: Bucket | None = None
         sent = 0
         async for b in self._buckets():
             self.check_size(b.index, b.nbytes)
             if held is not None:
-                await self._transport.send(held, master_rank)
+                await wire.send(held, master_rank)
             held = b
             sent += 1
         if sent != self.count:
             self.check_size(sent, 0)
         self.manifest_ready.set()
         if held is not None:
-            await self._transport.send(held, master_rank)
+            await wire.send(held, master_rank)
 
     async def abort(self, master_rank: int) -> None:
         """The abort marker: it travels the chain like data, so every link is left empty."""
-        await self._transport.send(Bucket(self.version, ABORT, 0), master_rank)
+        await self._wire().send(Bucket(self.version, ABORT, 0), master_rank)
 
 
-class TrainerPush:
-    """The trainer's endpoint of the relay chain (rank 0) and its per-version streams."""
+class Push(abc.ABC):
+    """The trainer's side of the tier (rank 0), as the ``RelayTier`` drives it: here
+    (``TrainerPush``) or where the trainer's rank 0 is (the Ray runtime's ``RemotePush``).
+    Holds the chunking and staging settings; ``prepare`` turns one version into an
+    ``Outgoing`` stream for the master."""
 
     def __init__(
         self,
-        transport: WeightTransport,
         *,
         bucket_bytes: int = 64 << 20,
         chunks: int = 0,
@@ -191,13 +200,53 @@ class TrainerPush:
         max_chunks: int = 4096,
         stage: bool = False,
     ) -> None:
-        self.transport = transport
-        self.bucket_bytes = bucket_bytes
-        self.chunks = chunks
-        self.link = link
-        self.max_chunks = max_chunks
-        self.stage = stage
+        self.configure(bucket_bytes, chunks, link, max_chunks, stage)
         self.model_bytes: int | None = None  # the size of the last version published
+
+    def configure(
+        self,
+        bucket_bytes: int,
+        chunks: int,
+        link: tuple[float, float] | None,
+        max_chunks: int,
+        stage: bool,
+    ) -> None:
+        """The chunking and staging settings (see module docstring)."""
+        self.bucket_bytes, self.chunks, self.link = bucket_bytes, chunks, link
+        self.max_chunks, self.stage = max_chunks, stage
+
+    @abc.abstractmethod
+    async def open(self) -> Any:
+        """Open the trainer's endpoint (rank 0); returns the address relays reach it at."""
+
+    @abc.abstractmethod
+    async def connect(self, peers: dict[int, Any]) -> None: ...
+
+    @abc.abstractmethod
+    async def close(self) -> None: ...
+
+    @abc.abstractmethod
+    async def send_probe(self, rank: int, size: int, reps: int) -> None:
+        """``reps`` calibration buckets of ``size`` bytes to ``rank`` (dropped there)."""
+
+    @abc.abstractmethod
+    async def prepare(
+        self,
+        version: int,
+        export: Export | None,
+        endpoints: int,
+        model_bytes: int | None = None,
+        stage: bool | None = None,
+    ) -> Outgoing:
+        """The version's outgoing stream (see ``TrainerPush.prepare``)."""
+
+
+class TrainerPush(Push):
+    """The trainer's endpoint of the relay chain (rank 0), in this process."""
+
+    def __init__(self, transport: WeightTransport, **settings: Any) -> None:
+        super().__init__(**settings)
+        self.transport = transport
         self._ring: list[memoryview] = []  # streamed bucket buffers, recycled
         self._arena: list[memoryview] = []  # the staged version's buffer, recycled
 
@@ -234,7 +283,6 @@ class TrainerPush:
         return self.bucket_bytes
 
     async def send_probe(self, rank: int, size: int, reps: int) -> None:
-        """``reps`` calibration buckets of ``size`` bytes to ``rank`` (dropped there)."""
         b = Bucket(PROBE, 0, size, 0, bytes(size))
         for _ in range(reps):
             await self.transport.send(b, rank)
@@ -244,7 +292,7 @@ class TrainerPush:
     async def prepare(
         self,
         version: int,
-        export: Export,
+        export: Export | None,
         endpoints: int,
         model_bytes: int | None = None,
         stage: bool | None = None,
@@ -252,6 +300,8 @@ class TrainerPush:
         """The version's outgoing stream: with staging (``stage``, default ``self.stage``)
         and real tensors it is copied to host memory now (this is the trainer's stall);
         otherwise it is streamed as the master takes it (``Outgoing.staged`` tells which)."""
+        if export is None:
+            raise ValueError("a push in this process needs the export to send")
         first, export = await peek(export)
         real = first is not None and first.device.type != "meta"
         if model_bytes is None:

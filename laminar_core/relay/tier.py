@@ -51,7 +51,7 @@ from laminar_core.relay.protocol import (
     HostHandle,
     RelayUnavailable,
 )
-from laminar_core.relay.push import Export, Outgoing, TrainerPush
+from laminar_core.relay.push import Export, Outgoing, Push, TrainerPush
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +86,9 @@ class RelayTier:
     """Relays chained in rank order; the first live one is the master (see module docstring).
 
     ``hosts`` are the relays (ranks 1..p, in order): ``RelayHost`` objects or proxies to
-    relays hosted elsewhere; ``trainer_transport`` is the trainer's own unopened endpoint.
+    relays hosted elsewhere; ``trainer_transport`` is the trainer's own unopened endpoint in
+    this process, or a ``TrainerPush`` hosted where the trainer's rank 0 is (the Ray
+    runtime's: the weights then go rank 0 -> master relay, never through this process).
     ``RelayTier.in_process`` builds a tier over ``NodeRelay`` objects in this process.
 
     Chunking (see ``relay.push``): ``chunks`` > 0 fixes the chunk count; else ``link`` =
@@ -100,7 +102,7 @@ class RelayTier:
     def __init__(
         self,
         hosts: list[HostHandle],
-        trainer_transport: WeightTransport,
+        trainer_transport: WeightTransport | Push,
         *,
         bucket_bytes: int = 64 << 20,
         chunks: int = 0,
@@ -111,19 +113,18 @@ class RelayTier:
         stage: bool = False,
     ) -> None:
         self.chain = Chain(hosts)
-        self.push = TrainerPush(
-            trainer_transport,
-            bucket_bytes=bucket_bytes,
-            chunks=chunks,
-            link=link,
-            max_chunks=max_chunks,
-            stage=stage,
+        self.push: Push = (
+            trainer_transport  # hosted where the trainer's rank 0 is
+            if isinstance(trainer_transport, Push)
+            else TrainerPush(trainer_transport)
         )
+        self.push.configure(bucket_bytes, chunks, link, max_chunks, stage)
         self.calibrate_on_open = calibrate
         self.timeout_s = timeout_s
         self.history: list[PublishResult] = []
         self._last_version: int | None = None
         self._held: Outgoing | None = None  # the newest version a master took (for catch-up)
+        self._staged: Outgoing | None = None  # the newest staged version (its bytes are current)
         self._attempts = 0
         self._background: set[asyncio.Future] = set()  # broadcasts (and repairs) under way
 
@@ -189,6 +190,10 @@ class RelayTier:
     # --- lifecycle -------------------------------------------------------------------------------
 
     async def open(self) -> None:
+        """Open every endpoint and connect the chain (and calibrate the link); a tier that
+        is open already stays as it is."""
+        if self.chain.endpoints:
+            return
         await self.chain.open(await self.push.open(), self.push.connect)
         if self.calibrate_on_open and self.push.chunks <= 0 and self.push.link is None:
             await self.calibrate()
@@ -230,6 +235,23 @@ class RelayTier:
 
     # --- a relay coming back ----------------------------------------------------------------------
 
+    async def reopen_push(self) -> None:
+        """The trainer's endpoint was replaced (a restarted trainer hosts a new one): open
+        it and reconnect the chain. A staged copy held by the old one is gone."""
+        await self.wait_broadcast()
+        self.chain.endpoints[TRAINER_RANK] = await self.push.open()
+        await self.chain.refresh(self.push.connect, force=True)
+        self._staged = None
+        if self._held is not None and self._held.staged:
+            self._held = None
+
+    async def add_relay(self, host: HostHandle) -> None:
+        """A relay of a node that joined: it becomes the last of the chain (next rank) and
+        catches up to the newest version (as ``rejoin``)."""
+        rank = self.chain.hosts[-1][0] + 1
+        self.chain.hosts.append((rank, host))
+        await self.rejoin(host)
+
     async def rejoin(self, host: HostHandle) -> None:
         """``host`` (a relay of this tier, replaced after it died: same rank, new process)
         joins the chain again and catches up: it gets the newest version from a relay that
@@ -247,7 +269,13 @@ class RelayTier:
         rank = next(r for r, h in self.chain.hosts if h is host)
         self.chain.endpoints[rank] = await host.open()
         await self.chain.refresh(self.push.connect, force=True)
-        held = self._held
+        held, staged = self._held, self._staged
+        if staged is not None and (held is None or staged.version > held.version):
+            # the newest version is one whose push failed (no relay was left to take it):
+            # its staged bytes are the arena's current ones, send those
+            log.warning("relay rank %s: catching up from the trainer's staged copy", rank)
+            await self._catch_up_from_staged(staged)
+            return
         if held is None:
             return  # nothing published yet: the next publish reaches it
         live = list(self.chain.live)
@@ -256,18 +284,23 @@ class RelayTier:
             await self.chain.repair(
                 held.version, held.count, held.manifest, self._next_attempt(), self.timeout_s
             )
-        elif held.staged:
+        elif held is staged:
             log.warning("relay rank %s: catching up from the trainer's staged copy", rank)
-            attempt = _Attempt(self, held, live, self._next_attempt())
-            await attempt.push()
-            await attempt.finish(held.manifest)
+            await self._catch_up_from_staged(staged)
         else:
             log.warning(
-                "relay rank %s: no live relay holds version %s and it was not staged: the "
-                "next publish reaches it",
+                "relay rank %s: no live relay holds version %s and its staged copy is gone: "
+                "the next publish reaches it",
                 rank,
                 held.version,
             )
+
+    async def _catch_up_from_staged(self, staged: Outgoing) -> None:
+        attempt = _Attempt(self, staged, list(self.chain.live), self._next_attempt())
+        await attempt.push()
+        self._held = staged
+        self._last_version = max(self._last_version or -1, staged.version)
+        await attempt.finish(staged.manifest)
 
     # --- publishing ------------------------------------------------------------------------------
 
@@ -291,7 +324,7 @@ class RelayTier:
     async def publish(
         self,
         version: int,
-        named_tensors: Export | Callable[[], Export],
+        named_tensors: Export | Callable[[], Export] | None,
         model_bytes: int | None = None,
     ) -> PublishResult:
         """Push ``version`` to the master; return once the master holds it (the trainer's
@@ -300,7 +333,8 @@ class RelayTier:
 
         ``named_tensors`` is the export (an iterable or async iterable of ``(name,
         tensor)``), streamed bucket by bucket, or a callable returning one: then a master
-        that dies mid-push is replaced and the export replayed to the new one. The chunk
+        that dies mid-push is replaced and the export replayed to the new one (``None``: the
+        push exports itself, where it is hosted; a staged copy is still replayed). The chunk
         size needs the model's size up front: ``model_bytes`` if given, else the previous
         version's (weights keep their size); only the first publish walks the export once.
         """
@@ -321,6 +355,7 @@ class RelayTier:
         if self.push.stage:  # staged before the chain is looked at: the trainer waits for it
             out = await self.push.prepare(version, export, len(self.chain.live) + 1, model_bytes)
             if out.staged:
+                self._staged = out
                 self.push.model_bytes = out.nbytes  # (the version counts once the master has it)
                 result = PublishResult(
                     version, out.nbytes, out.count, loop.time() - t0, self.master_rank

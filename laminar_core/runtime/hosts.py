@@ -17,7 +17,7 @@ import torch
 from laminar_core.interfaces import BuildContext, TensorWeights, TrainerContext, build
 from laminar_core.plugins import default_manager
 from laminar_core.plugins.resolve import resolve
-from laminar_core.runtime.ray_calls import limit_threads
+from laminar_core.runtime.ray_calls import limit_threads, log_to
 
 
 def _engine(config_yaml: str, kind: str, index: int, name: str, gpus: int) -> Any:
@@ -34,12 +34,19 @@ def _engine(config_yaml: str, kind: str, index: int, name: str, gpus: int) -> An
 class RolloutHost:
     """A rollout replica's actor: ``call(method, *args)`` forwards to the engine."""
 
-    def __init__(self, config_yaml: str, index: int, name: str, gpus: int) -> None:
+    def __init__(
+        self, config_yaml: str, index: int, name: str, gpus: int, log_path: str | None = None
+    ) -> None:
+        log_to(log_path)
         limit_threads()
         self.engine, _ = _engine(config_yaml, "rollout", index, name, gpus)
 
     async def call(self, method: str, *args: Any) -> Any:
         return await getattr(self.engine, method)(*args)
+
+    def pid(self) -> int:
+        """This actor's process id (for operators, and the chaos tests' ``kill -9``)."""
+        return os.getpid()
 
     def shm_files(self) -> list[str]:
         """Shared-memory files (``/dev/shm``) this actor's engine processes have mapped: what
@@ -58,14 +65,27 @@ class RolloutHost:
 
 class TrainerHost:
     """One trainer rank's actor. ``export`` runs the (collective) export on every rank and
-    returns the tensors from rank 0 only."""
+    returns the tensors from rank 0 only. Rank 0 can also host the relay tier's trainer
+    endpoint (``push_*``: ``runtime.proxies.RemotePush`` drives it), so a new version goes
+    from here to the master relay, not through the driver; the other ranks then only take
+    part in the export (``export_drain``)."""
 
-    def __init__(self, config_yaml: str, rank: int, world: int, gpus: int) -> None:
+    def __init__(
+        self, config_yaml: str, rank: int, world: int, gpus: int, log_path: str | None = None
+    ) -> None:
+        log_to(log_path)
         limit_threads()
         self.rank, self.world = rank, world
         self.engine, resolved = _engine(config_yaml, "trainer", rank, "trainer", gpus)
+        self.resolved = resolved
         self.cfg = resolved.cfg
         self.options = resolved.engine_options.get("trainer")
+        self.push: Any = None  # rank 0's relay endpoint (TrainerPush), once opened
+        self.outgoing: dict[int, Any] = {}  # version -> its Outgoing (the newest two)
+
+    def pid(self) -> int:
+        """This actor's process id (for operators, and the chaos tests' ``kill -9``)."""
+        return os.getpid()
 
     def ping(self) -> bool:
         return True
@@ -93,6 +113,62 @@ class TrainerHost:
 
     async def call(self, method: str, *args: Any) -> Any:
         return await getattr(self.engine, method)(*args)
+
+    async def export_drain(self) -> None:
+        """Take part in a collective export whose tensors another rank keeps."""
+        async for _ in self.engine.export_weights():
+            pass
+
+    # --- the relay tier's trainer endpoint, on rank 0 ------------------------------------------
+
+    async def push_open(self) -> Any:
+        from laminar_core.relay.push import TrainerPush
+
+        factory = default_manager().get("transport", self.cfg.relay.transport)
+        ctx = BuildContext(self.cfg, self.resolved.engine_options.get("relay"), 0, "trainer")
+        self.push = TrainerPush(build(factory, ctx))
+        return await self.push.open()
+
+    async def push_connect(self, peers: dict[int, Any]) -> None:
+        await self.push.connect(peers)
+
+    async def push_close(self) -> None:
+        if self.push is not None:
+            await self.push.close()
+        self.outgoing.clear()
+
+    async def push_probe(self, rank: int, size: int, reps: int) -> None:
+        await self.push.send_probe(rank, size, reps)
+
+    async def push_prepare(
+        self, version: int, endpoints: int, settings: dict[str, Any]
+    ) -> tuple[int, int, bool]:
+        """Stage (or set up the stream of) this rank's export as ``version``; returns
+        ``(bytes, chunk, staged)``. Collective: the other ranks run ``export_drain``."""
+        push = self.push
+        push.configure(**settings["configure"])
+        push.model_bytes = settings["model_bytes"]
+        out = await push.prepare(
+            version,
+            self.engine.export_weights(),
+            endpoints,
+            settings["model_bytes"],
+            settings["stage"],
+        )
+        self.outgoing = {v: o for v, o in self.outgoing.items() if v >= version - 1}
+        self.outgoing[version] = out
+        return out.nbytes, out.chunk, out.staged
+
+    async def push_send(self, version: int, master_rank: int) -> str:
+        """Send the prepared ``version`` to the master; returns its manifest (JSON)."""
+        from laminar_core.relay.wire import manifest_to_json
+
+        out = self.outgoing[version]
+        await out.send(master_rank)
+        return manifest_to_json(out.manifest)
+
+    async def push_abort(self, version: int, master_rank: int) -> None:
+        await self.outgoing[version].abort(master_rank)
 
     async def export(self) -> list[tuple[str, torch.Tensor]] | None:
         if self.rank == 0:

@@ -22,7 +22,9 @@ from laminar_core.interfaces import (
     TrainerFailure,
     WeightsRef,
 )
+from laminar_core.relay.push import Export, Outgoing, Push
 from laminar_core.relay.tier import PublishResult, RelayTier
+from laminar_core.relay.wire import manifest_from_json
 from laminar_core.runtime.ray_calls import ACTOR_GONE, RayTaskError, engine_error
 from laminar_core.types import (
     EngineStats,
@@ -30,6 +32,7 @@ from laminar_core.types import (
     PartialTrajectory,
     TrainBatch,
     Trajectory,
+    WeightManifest,
 )
 
 
@@ -42,6 +45,7 @@ class RayRolloutEngine(RolloutEngine):
         self.replica_id = replica_id
         self.handle = handle
         self.shm_files: list[str] = []
+        self._starting: asyncio.Future | None = None
 
     async def _remote(self, call: Any) -> Any:
         try:
@@ -55,6 +59,13 @@ class RayRolloutEngine(RolloutEngine):
         return await self._remote(self.handle.call.remote(method, *args))
 
     async def start(self) -> None:
+        """Start the engine; once: the runtime starts it early (concurrently with the
+        trainer's set-up), the rollout manager's call then waits for that same start."""
+        if self._starting is None:
+            self._starting = asyncio.ensure_future(self._start())
+        await asyncio.shield(self._starting)
+
+    async def _start(self) -> None:
         await self._call("start")
         self.shm_files = await self._remote(self.handle.shm_files.remote())
 
@@ -146,6 +157,17 @@ class RayTrainerGroup:
         return (await self._call("train_step", ref))[0]
 
     async def publish(self, version: int, tier: RelayTier) -> PublishResult:
+        if isinstance(tier.push, RemotePush):
+            # Rank 0 hosts the trainer's endpoint: it exports and pushes to the master
+            # relay itself; the other ranks take part in the collective export meanwhile.
+            drains = asyncio.ensure_future(
+                self._all([h.export_drain.remote() for h in self.handles[1:]])
+            )
+            try:
+                result = await tier.publish(version, None)
+            finally:
+                await drains
+            return result
         # Rank 0's export reaches the driver through Ray's object store and the driver
         # pushes it; a list, so a master relay that dies mid-push gets it replayed.
         exported = (await self._all([h.export.remote() for h in self.handles]))[0]
@@ -159,3 +181,85 @@ class RayTrainerGroup:
 
     async def close(self) -> None:
         await self._call("close")
+
+
+class RemoteOutgoing(Outgoing):
+    """A version rank 0 prepared: its buckets leave from rank 0's actor. Its manifest is
+    known (and offered to the relays) once rank 0 has sent every bucket."""
+
+    def __init__(
+        self, group: RayTrainerGroup, version: int, nbytes: int, chunk: int, staged: bool
+    ) -> None:
+        super().__init__(version, nbytes, chunk, transport=None)
+        self._group, self._remote_staged = group, staged
+        self._manifest_json: str | None = None
+
+    @property
+    def staged(self) -> bool:
+        return self._remote_staged
+
+    @property
+    def manifest(self) -> WeightManifest:
+        assert self._manifest_json is not None, "the manifest is known once sent"
+        return manifest_from_json(self._manifest_json)
+
+    async def send(self, master_rank: int) -> None:
+        rank0 = self._group.handles[0]
+        self._manifest_json = (
+            await self._group._all([rank0.push_send.remote(self.version, master_rank)])
+        )[0]
+        self.manifest_ready.set()
+
+    async def abort(self, master_rank: int) -> None:
+        await self._group._all(
+            [self._group.handles[0].push_abort.remote(self.version, master_rank)]
+        )
+
+
+class RemotePush(Push):
+    """The relay tier's trainer endpoint hosted in trainer rank 0's actor: the weights go
+    rank 0 -> master relay -> chain, never through the driver (one copy of the model fewer
+    per version than exporting to the driver). The driver's tier drives it like its own."""
+
+    def __init__(self, group: RayTrainerGroup) -> None:
+        super().__init__()
+        self.group = group
+
+    async def _rank0(self, call: Any) -> Any:
+        return (await self.group._all([call]))[0]
+
+    async def open(self) -> Any:
+        return await self._rank0(self.group.handles[0].push_open.remote())
+
+    async def connect(self, peers: dict[int, Any]) -> None:
+        await self._rank0(self.group.handles[0].push_connect.remote(peers))
+
+    async def close(self) -> None:
+        with contextlib.suppress(Exception):  # rank 0 is gone: so is its endpoint
+            await self._rank0(self.group.handles[0].push_close.remote())
+
+    async def send_probe(self, rank: int, size: int, reps: int) -> None:
+        await self._rank0(self.group.handles[0].push_probe.remote(rank, size, reps))
+
+    async def prepare(
+        self,
+        version: int,
+        export: Export | None,
+        endpoints: int,
+        model_bytes: int | None = None,
+        stage: bool | None = None,
+    ) -> Outgoing:
+        settings = {
+            "configure": {
+                "bucket_bytes": self.bucket_bytes,
+                "chunks": self.chunks,
+                "link": self.link,
+                "max_chunks": self.max_chunks,
+                "stage": self.stage,
+            },
+            "model_bytes": model_bytes if model_bytes is not None else self.model_bytes,
+            "stage": self.stage if stage is None else stage,
+        }
+        call = self.group.handles[0].push_prepare.remote(version, endpoints, settings)
+        nbytes, chunk, staged = await self._rank0(call)
+        return RemoteOutgoing(self.group, version, nbytes, chunk, staged)

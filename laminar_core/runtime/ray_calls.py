@@ -14,7 +14,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError,
 
 ACTOR_GONE = (ActorDiedError, ActorUnavailableError, RayActorError)
 
-__all__ = ["ACTOR_GONE", "RayTaskError", "engine_error", "limit_threads"]
+__all__ = ["ACTOR_GONE", "RayTaskError", "engine_error", "limit_threads", "log_to"]
 
 
 def engine_error(e: RayTaskError) -> BaseException:
@@ -30,3 +30,20 @@ def limit_threads() -> None:
 
     n = int(os.environ.get("OMP_NUM_THREADS", "1") or 1)
     torch.set_num_threads(max(1, n))
+
+
+def log_to(path: str | None) -> None:
+    """Send this actor process's output (and that of every process it starts: vLLM's engine
+    core and workers) to ``path``, appended, instead of Ray's log forwarding to the driver's
+    terminal (``telemetry.engine_logs``). ``None``: leave it where Ray puts it."""
+    if not path:
+        return
+    import sys
+
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)

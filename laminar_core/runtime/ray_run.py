@@ -15,9 +15,10 @@ replicas gets a relay actor (``runtime.relay_actor``, ``num_cpus=0``, pinned to 
 that receives every version over the transport, chains it on to the next node's relay, and
 writes it into the node's shared memory (``relay.shm_dir``, one subdirectory per run), where
 the node's replicas load it (``SharedWeights``): weights never cross the object store. The
-trainer's push endpoint is in the driver (rank 0 exports to the driver through Ray, the
-driver pushes to the master relay). With ``inprocess`` or ``sim`` the relays stay in the
-driver and each replica's weights travel through Ray's object store: fine on one machine.
+trainer's push endpoint is in trainer rank 0's actor (``relay.push_from_rank0``): rank 0
+stages its export and pushes it to the master relay, never through the driver. With
+``inprocess`` or ``sim`` the relays stay in the driver and each replica's weights travel
+through Ray's object store: fine on one machine.
 """
 
 from __future__ import annotations
@@ -38,17 +39,19 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from laminar_core.config.loader import ResolvedConfig
-from laminar_core.interfaces import RolloutEngine, build
+from laminar_core.interfaces import RolloutEngine, WeightTransport, build
 from laminar_core.loop.trainer_group import TrainerGroup
 from laminar_core.models import model_dir
 from laminar_core.relay.node import NodeRelay
 from laminar_core.relay.tier import RelayTier
 from laminar_core.runtime.hosts import RolloutHost, TrainerHost
-from laminar_core.runtime.proxies import RayRolloutEngine, RayTrainerGroup
+from laminar_core.runtime.proxies import RayRolloutEngine, RayTrainerGroup, RemotePush
 from laminar_core.runtime.relay_actor import RayRelay, relay_actor, spawn_relay
 from laminar_core.runtime.run import Run, Started
 from laminar_core.runtime.wiring import RunSpec, assemble, relay_tier_options
 from laminar_core.tasks import build_prompts, build_reward
+
+log = logging.getLogger(__name__)
 
 # Transports whose endpoints only work inside one process: their relays stay in the driver.
 DRIVER_TRANSPORTS = ("inprocess", "sim")
@@ -74,12 +77,22 @@ def init_ray(resolved: ResolvedConfig, needed_cpus: float) -> bool:
         return False
     rt = resolved.cfg.runtime
     env = {k: os.environ.get(k, v) for k, v in WORKER_ENV.items()}
-    kwargs: dict[str, Any] = {"runtime_env": {"env_vars": env}, "logging_level": logging.WARNING}
+    kwargs: dict[str, Any] = {
+        "runtime_env": {"env_vars": env},
+        "logging_level": logging.WARNING,
+        # engine output goes to RUN_DIR/logs/ (the actors write there), not the terminal
+        "log_to_driver": resolved.cfg.telemetry.engine_logs == "terminal",
+    }
     if rt.address:
         ray.init(address=rt.address, **kwargs)
         return False
+    # A cluster of our own: token authentication on (Ray's default for a new local
+    # cluster), set explicitly so Ray does not print a notice about choosing it.
+    os.environ.setdefault("RAY_AUTH_MODE", "token")
     cpus = rt.num_cpus or max(int(needed_cpus + 0.999), os.cpu_count() or 1)
-    ray.init(num_cpus=cpus, include_dashboard=False, **kwargs)
+    # address="local": a cluster of its own, even if another one on this machine left its
+    # address in /tmp/ray (ray.init() would try to join that one)
+    ray.init(address="local", num_cpus=cpus, include_dashboard=False, **kwargs)
     return True
 
 
@@ -89,6 +102,10 @@ def load_tokenizer(resolved: ResolvedConfig):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(path))
+
+
+def _node_alive(node_id: str) -> bool:
+    return any(n["NodeID"] == node_id and n["Alive"] for n in ray.nodes())
 
 
 async def _with_timeout(aw, seconds: float):
@@ -122,6 +139,9 @@ class RayRuntime:
         self.replica_nodes: list[str] = []  # Ray node id per replica
         self.relay_nodes: list[str] = []  # Ray node id per relay
         self.own_cluster = False  # this run started the local Ray cluster: it ends with it
+        self._known_nodes: set[str] = set()  # runtime.elastic: nodes already considered
+        self._follow: asyncio.Future | None = None
+        self.startup: dict[str, float] = {}  # part -> seconds it took to start
 
     # --- start ---------------------------------------------------------------------------------
 
@@ -158,21 +178,42 @@ class RayRuntime:
                 "Lower cluster.gpus / runtime.cpus_per_* or add nodes."
             ) from e
 
+    def _log(self, name: str) -> str | None:
+        """Where actor ``name`` writes its output (``telemetry.engine_logs``)."""
+        run_dir = self.spec.run_dir
+        if run_dir is None or self.spec.resolved.cfg.telemetry.engine_logs != "run_dir":
+            return None
+        return str(Path(run_dir).resolve() / "logs" / f"{name}.log")
+
     def _at(self, bundle: int) -> PlacementGroupSchedulingStrategy:
         return PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle)
 
     def _replica_actor(self, index: int) -> Any:
+        """Replica ``index``'s actor: in its placement-group bundle, or (a replica added on
+        a node that joined) pinned to that node."""
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
         cfg = self.spec.resolved.cfg
         world = self.spec.placement.trainer_gpus
+        if index < self.spec.placement.replicas:
+            where: Any = self._at(world + index)
+        else:
+            where = NodeAffinitySchedulingStrategy(self.replica_nodes[index], soft=False)
         actor = (
             ray.remote(RolloutHost)
             .options(
                 num_cpus=cfg.runtime.cpus_per_replica,
                 num_gpus=float(cfg.cluster.gpus_per_replica) if self.gpu else 0,
-                scheduling_strategy=self._at(world + index),
+                scheduling_strategy=where,
                 max_concurrency=1 << 16,  # one generate call per in-flight trajectory
             )
-            .remote(self.config_yaml, index, f"r{index}", cfg.cluster.gpus_per_replica)
+            .remote(
+                self.config_yaml,
+                index,
+                f"r{index}",
+                cfg.cluster.gpus_per_replica,
+                self._log(f"replica-r{index}"),
+            )
         )
         self.actors.append(actor)
         return actor
@@ -187,7 +228,7 @@ class RayRuntime:
                 num_gpus=1 if self.gpu else 0,
                 scheduling_strategy=self._at(rank),
             )
-            .remote(self.config_yaml, rank, world, int(self.gpu))
+            .remote(self.config_yaml, rank, world, int(self.gpu), self._log(f"trainer-rank{rank}"))
             for rank in range(world)
         ]
         self.actors += actors
@@ -195,16 +236,21 @@ class RayRuntime:
         return actors
 
     async def start(self) -> Run:
-        """Start the actors, set the trainer group up, and wire the loop around them."""
+        """Start the actors, the trainer group, the replicas' engines and the relay tier
+        (all at once: they are independent), and wire the loop around them. How long each
+        part took is in ``startup`` (seconds)."""
         spec = self.spec
         resolved, cfg = spec.resolved, spec.resolved.cfg
         rt, place = cfg.runtime, spec.placement
+        loop = asyncio.get_running_loop()
         tokenizer = load_tokenizer(resolved)
         dataset, report = build_prompts(resolved, tokenizer, spec.pm)
         if spec.reward_fn is None:
             spec = dataclasses.replace(spec, reward_fn=build_reward(resolved, tokenizer, spec.pm))
         needed = place.trainer_gpus * rt.cpus_per_trainer + place.replicas * rt.cpus_per_replica
+        t0 = loop.time()
         self.own_cluster = init_ray(resolved, needed)
+        self.startup["ray"] = loop.time() - t0
         try:
             await self._reserve()
             ranks = self._trainer_actors()
@@ -221,23 +267,53 @@ class RayRuntime:
             self.replica_nodes = list(nodes)
             place = place.on_nodes(nodes)
             trainer = RayTrainerGroup(ranks, init, {"seed": cfg.run.seed})
-            tier, relays = self._relay_tier(list(dict.fromkeys(nodes)))
+            tier, relays = self._relay_tier(list(dict.fromkeys(nodes)), trainer)
+            engines = self.replica_engines = [
+                RayRolloutEngine(f"r{i}", h) for i, h in enumerate(replicas)
+            ]
             try:
-                await asyncio.gather(trainer.setup(), self._relays_ready(rt.start_timeout_s))
+                await _with_timeout(
+                    asyncio.gather(
+                        self._timed("trainer", trainer.setup()),
+                        self._timed("replicas", asyncio.gather(*(e.start() for e in engines))),
+                        self._timed("relays", self._relays_up(tier)),
+                    ),
+                    rt.start_timeout_s,
+                )
             except Exception as e:
-                raise RuntimeStartError(f"the trainer group or a relay failed to start: {e}") from e
+                raise RuntimeStartError(
+                    f"the trainer group, a replica or a relay failed to start: {e}"
+                ) from e
         except BaseException:
             self._release()
             if self.own_cluster:
                 ray.shutdown()
             raise
-        engines = self.replica_engines = [
-            RayRolloutEngine(f"r{i}", h) for i, h in enumerate(replicas)
-        ]
-        started = Started(trainer, engines, tier, relays, place, dataset, report)
-        return assemble(spec, started, self)
+        started = Started(trainer, engines, tier, relays, place, dataset, report, tokenizer)
+        run = assemble(spec, started, self)
+        if cfg.runtime.elastic:
+            self._known_nodes = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+            self._follow = asyncio.ensure_future(self._follow_cluster(run))
+        return run
 
-    def _relay_tier(self, node_ids: list[str]) -> tuple[RelayTier, list[Any]]:
+    async def _timed(self, part: str, aw: Any) -> Any:
+        t0 = asyncio.get_running_loop().time()
+        try:
+            return await aw
+        finally:
+            self.startup[part] = asyncio.get_running_loop().time() - t0
+
+    async def _relays_up(self, tier: RelayTier) -> None:
+        """The relay actors are up and the tier's chain is connected (and calibrated);
+        waits for the trainer's rank 0 when it hosts the trainer's endpoint."""
+        if self.relays:
+            calls = (r.handle.node_id.remote() for r in self.relays)
+            await asyncio.gather(*calls)
+            await tier.open()
+
+    def _relay_tier(
+        self, node_ids: list[str], trainer: RayTrainerGroup
+    ) -> tuple[RelayTier, list[Any]]:
         """The tier and one node relay per node (in ``node_ids`` order): relay actors on a
         real transport, else relays in the driver."""
         spec = self.spec
@@ -257,24 +333,32 @@ class RayRuntime:
         name = f"{cfg.run.name}-{os.getpid()}-{next(_runs)}-{uuid.uuid4().hex[:6]}"
         self.shm_root = str(Path(cfg.relay.shm_dir) / name)
         for i, node_id in enumerate(node_ids):  # relay i is chain rank i + 1
-            relay = spawn_relay(self.config_yaml, i, i, i + 1, self.shm_root, node_id)
+            relay = spawn_relay(
+                self.config_yaml,
+                i,
+                i,
+                i + 1,
+                self.shm_root,
+                node_id,
+                log_path=self._log(f"relay{i}"),
+            )
             self.actors.append(relay.handle)
             self.relays.append(relay)
             self.relay_nodes.append(node_id)
-        trainer_transport = build(transport, spec.context("relay", 0, "trainer", 1, {}))
-        tier = RelayTier(
-            list(self.relays), trainer_transport, calibrate=cfg.relay.calibrate, **options
-        )
+        endpoint: WeightTransport | RemotePush
+        if cfg.relay.push_from_rank0:
+            endpoint = RemotePush(trainer)
+        else:
+            endpoint = build(transport, spec.context("relay", 0, "trainer", 1, {}))
+        tier = RelayTier(list(self.relays), endpoint, calibrate=cfg.relay.calibrate, **options)
         return tier, list(self.relays)
-
-    async def _relays_ready(self, timeout_s: float) -> None:
-        if self.relays:
-            calls = (r.handle.node_id.remote() for r in self.relays)
-            await _with_timeout(asyncio.gather(*calls), timeout_s)
 
     # --- stop ----------------------------------------------------------------------------------
 
     async def close(self, run: Run) -> None:
+        if self._follow is not None:
+            self._follow.cancel()
+            await asyncio.gather(self._follow, return_exceptions=True)
         with contextlib.suppress(Exception):  # a dead or broken group: the actors go anyway
             await run.trainer.close()
         self._release()
@@ -298,6 +382,64 @@ class RayRuntime:
             self.pg = None
         if self.shm_root:
             shutil.rmtree(self.shm_root, ignore_errors=True)
+            # and the root (relay.shm_dir) once no run uses it: tmpfs is RAM, and an empty
+            # directory left behind by every run looks like a leak. A run still using it
+            # keeps it (rmdir refuses a non-empty directory).
+            with contextlib.suppress(OSError):
+                Path(self.shm_root).parent.rmdir()
+
+    # --- elastic nodes -------------------------------------------------------------------------
+
+    async def _follow_cluster(self, run: Run, every_s: float = 2.0) -> None:
+        """``runtime.elastic``: a node that joins the cluster gets a relay and as many
+        replicas as its resources allow, which load the newest version and take prompts.
+        (A node that leaves loses its replicas and relay: they fail and are evicted.)"""
+        while True:
+            await asyncio.sleep(every_s)
+            for node in ray.nodes():
+                node_id = node["NodeID"]
+                if not node["Alive"] or node_id in self._known_nodes:
+                    continue
+                self._known_nodes.add(node_id)
+                try:
+                    await self._grow(run, node_id, node.get("Resources", {}))
+                except Exception as e:  # the node left again, or cannot host an engine
+                    log.warning("node %s joined but could not be used: %s", node_id[:8], e)
+
+    async def _grow(self, run: Run, node_id: str, resources: dict[str, float]) -> None:
+        cfg = self.spec.resolved.cfg
+        fits = int(resources.get("CPU", 0) // max(cfg.runtime.cpus_per_replica, 1e-9))
+        if self.gpu:
+            fits = min(fits, int(resources.get("GPU", 0) // cfg.cluster.gpus_per_replica))
+        if fits < 1:
+            return
+        log.warning("node %s joined: adding a relay and %d replica(s)", node_id[:8], fits)
+        relay = None
+        if self.shm_root is not None:  # relays on the nodes: this node gets its own
+            rid = len(self.relays)
+            relay = spawn_relay(
+                self.config_yaml,
+                rid,
+                rid,
+                rid + 1,
+                self.shm_root,
+                node_id,
+                log_path=self._log(f"relay{rid}"),
+            )
+            self.actors.append(relay.handle)
+            self.relays.append(relay)
+            self.relay_nodes.append(node_id)
+            await run.tier.add_relay(relay)
+        for _ in range(fits):
+            index = len(self.replica_handles)
+            self.replica_nodes.append(node_id)
+            handle = self._replica_actor(index)
+            self.replica_handles.append(handle)
+            engine = RayRolloutEngine(f"r{index}", handle)
+            self.replica_engines.append(engine)
+            await _with_timeout(engine.start(), cfg.runtime.start_timeout_s)
+            node_relay = relay if relay is not None else run.relays[0]
+            run.manager.add_replica(engine, node_relay, (await engine.stats()).version)
 
     # --- recovery ------------------------------------------------------------------------------
 
@@ -329,6 +471,8 @@ class RayRuntime:
         memory removed."""
         rt = self.spec.resolved.cfg.runtime
         self._kill(self.replica_handles[index])
+        if not _node_alive(self.replica_nodes[index]):
+            raise RuntimeStartError(f"replica r{index}'s node is gone")
         await asyncio.to_thread(self._remove_shm, index)
         handle = self.replica_handles[index] = self._replica_actor(index)
         engine = self.replica_engines[index] = RayRolloutEngine(f"r{index}", handle)
@@ -350,6 +494,8 @@ class RayRuntime:
         if self.shm_root is None:
             raise RuntimeError("relays in the driver are not restarted")
         relay = self.relays[relay_id]
+        if not _node_alive(self.relay_nodes[relay_id]):
+            raise RuntimeStartError(f"relay {relay_id}'s node is gone")
         self._kill(relay.handle)
         handle = relay_actor(
             self.config_yaml,
@@ -358,6 +504,7 @@ class RayRuntime:
             relay_id + 1,
             self.shm_root,
             self.relay_nodes[relay_id],
+            log_path=self._log(f"relay{relay_id}"),
         )
         self.actors.append(handle)
         try:
@@ -379,6 +526,9 @@ class RayRuntime:
             init = await _with_timeout(ranks[0].rendezvous.remote(), rt.start_timeout_s)
             group = RayTrainerGroup(ranks, init, {"seed": self.spec.resolved.cfg.run.seed})
             await _with_timeout(group.setup(), rt.start_timeout_s)
+            if isinstance(run.tier.push, RemotePush):  # the new rank 0 hosts the endpoint
+                run.tier.push.group = group
+                await run.tier.reopen_push()
         except BaseException:
             self._kill(*ranks)
             raise

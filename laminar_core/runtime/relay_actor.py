@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from typing import Any
 
 from laminar_core.interfaces import BuildContext, build
@@ -22,7 +23,13 @@ from laminar_core.plugins.resolve import resolve
 from laminar_core.relay.protocol import RelayDied
 from laminar_core.relay.remote import RemoteRelay
 from laminar_core.relay.server import RelayServer
-from laminar_core.runtime.ray_calls import ACTOR_GONE, RayTaskError, engine_error, limit_threads
+from laminar_core.runtime.ray_calls import (
+    ACTOR_GONE,
+    RayTaskError,
+    engine_error,
+    limit_threads,
+    log_to,
+)
 
 log = logging.getLogger(__name__)
 
@@ -46,9 +53,11 @@ class RelayActor:
         rank: int,
         shm_root: str,
         die_at: tuple[int, int] | None = None,
+        log_path: str | None = None,
     ) -> None:
         import yaml
 
+        log_to(log_path)
         limit_threads()
         resolved = resolve(yaml.safe_load(config_yaml), source="driver")
         cfg = resolved.cfg
@@ -79,6 +88,10 @@ class RelayActor:
         import ray
 
         return ray.get_runtime_context().get_node_id()
+
+    def pid(self) -> int:
+        """This actor's process id (for operators, and the chaos tests' ``kill -9``)."""
+        return os.getpid()
 
 
 class RayRelay(RemoteRelay):
@@ -134,6 +147,7 @@ def relay_actor(
     shm_root: str,
     ray_node_id: str,
     die_at: tuple[int, int] | None = None,
+    log_path: str | None = None,
 ) -> Any:
     """Start a relay actor on Ray node ``ray_node_id`` (no CPU reserved: it mostly waits on
     the transport); returns its actor handle."""
@@ -147,7 +161,7 @@ def relay_actor(
             scheduling_strategy=NodeAffinitySchedulingStrategy(ray_node_id, soft=False),
             max_concurrency=MAX_CONCURRENCY,
         )
-        .remote(config_yaml, relay_id, node, rank, shm_root, die_at)
+        .remote(config_yaml, relay_id, node, rank, shm_root, die_at, log_path)
     )
 
 
@@ -159,7 +173,8 @@ def spawn_relay(
     shm_root: str,
     ray_node_id: str,
     die_at: tuple[int, int] | None = None,
+    log_path: str | None = None,
 ) -> RayRelay:
     """A relay actor on ``ray_node_id`` and the driver's handle on it."""
-    handle = relay_actor(config_yaml, relay_id, node, rank, shm_root, ray_node_id, die_at)
+    handle = relay_actor(config_yaml, relay_id, node, rank, shm_root, ray_node_id, die_at, log_path)
     return RayRelay(handle, relay_id, node, shm_root)

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from laminar_core.buffers import ExperienceBuffer
 from laminar_core.config.loader import ResolvedConfig
@@ -49,6 +49,7 @@ class Started:
     placement: Placement
     dataset: Sequence[Prompt] | None = None  # None: data.source without a tokenizer
     data_report: DataReport | None = None
+    tokenizer: Any = None  # the model's (multi-turn: observations are tokenised in the driver)
 
 
 @dataclass

@@ -109,6 +109,7 @@ def train(resolved: ResolvedConfig) -> Path:
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
+        began = loop.time() - _process_age()  # when the command started
         # until the run's own handlers are in place, SIGTERM cancels the start-up cleanly
         # (what was started is released) instead of killing the process under it
         with contextlib.suppress(NotImplementedError, RuntimeError):
@@ -123,12 +124,21 @@ def train(resolved: ResolvedConfig) -> Path:
         report = run.data_report
         if report is not None and report.skipped:
             print(f"data: {report.summary()}", file=sys.stderr, flush=True)
+        parts = getattr(run.runtime, "startup", {})
+        if parts:
+            took = ", ".join(f"{k} {v:.1f}s" for k, v in parts.items())
+            print(f"start-up: {took} ({loop.time() - began:.1f}s in all)", flush=True)
         restore = install_stop_handlers(run.controller)
         try:
             records = await run.controller.run(resolved.cfg.run.steps)
             if run.controller.stop_requested:
                 print(f"stopped at step {run.controller.step} (as asked)", flush=True)
-            print(_summary(records), flush=True)
+            first = run.manager.first_trajectory_at
+            print(
+                _summary(records)
+                + (f"; first trajectory {first - began:.1f}s after start" if first else ""),
+                flush=True,
+            )
         except (RuntimeError, ValueError) as e:
             raise TrainError(f"the run stopped: {type(e).__name__}: {e}") from e
         finally:
@@ -142,6 +152,16 @@ def train(resolved: ResolvedConfig) -> Path:
     except asyncio.CancelledError:
         raise KeyboardInterrupt from None  # SIGTERM during start-up: stopped, cleaned up
     return run_dir
+
+
+def _process_age() -> float:
+    """Seconds since this process started (imports included: what a user waits)."""
+    try:
+        import psutil
+
+        return max(0.0, time.time() - psutil.Process().create_time())
+    except Exception:  # no psutil: count from here
+        return 0.0
 
 
 def _summary(records: list) -> str:

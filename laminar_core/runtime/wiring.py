@@ -13,8 +13,10 @@ from typing import Any
 
 from laminar_core.buffers import ExperienceBuffer, PromptPool
 from laminar_core.config.loader import ResolvedConfig
+from laminar_core.envs.build import make_environment
 from laminar_core.interfaces import BuildContext, build
 from laminar_core.loop.controller import Controller, ControllerOptions
+from laminar_core.loop.episodes import Episodes
 from laminar_core.loop.manager import ManagerOptions, ReplicaSlot, RewardFn, RolloutManager
 from laminar_core.loop.schedules import Schedule
 from laminar_core.plugins import PluginManager, default_manager
@@ -107,6 +109,10 @@ def assemble(spec: RunSpec, started: Started, runtime: Runtime) -> Run:
         ReplicaSlot(e.replica_id, i, e, started.relays[place.replica_node[i]])
         for i, e in enumerate(started.replicas)
     ]
+    episodes = None
+    if cfg.env.name:  # multi-turn: every trajectory talks to the environment between turns
+        env = make_environment(cfg.env, spec.pm)
+        episodes = Episodes(env, started.tokenizer, cfg.rollout.max_tokens)
     opts = ManagerOptions(
         groups_per_step=cfg.data.prompts_per_step,
         max_concurrent=cfg.rollout.max_concurrent,
@@ -114,6 +120,7 @@ def assemble(spec: RunSpec, started: Started, runtime: Runtime) -> Run:
             temperature=cfg.rollout.temperature,
             top_p=cfg.rollout.top_p,
             max_tokens=cfg.rollout.max_tokens,
+            stop=list(episodes.stop) if episodes is not None else [],
         ),
         repack_interval_s=cfg.repack.interval_s,
         heartbeat_s=cfg.rollout.heartbeat_s,
@@ -132,6 +139,7 @@ def assemble(spec: RunSpec, started: Started, runtime: Runtime) -> Run:
         repack=repack,
         reward_fn=spec.reward_fn,
         events=events,
+        episodes=episodes,
     )
     run_dir = spec.run_dir
     controller = Controller(
@@ -148,6 +156,7 @@ def assemble(spec: RunSpec, started: Started, runtime: Runtime) -> Run:
             stale_policy=cfg.buffer.stale_policy,
             max_trainer_restarts=cfg.trainer.max_restarts,
             max_unavailable_s=cfg.relay.max_unavailable_s,
+            max_failed_steps=cfg.run.max_failed_steps,
         ),
         metrics=MetricsWriter(run_dir / "metrics.jsonl" if run_dir else None),
         events=events,

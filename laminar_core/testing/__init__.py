@@ -1,15 +1,20 @@
-"""Contract tests a plugin author runs against their own engine.
+"""Contract tests a plugin author runs against their own engine (see docs/plugins.md).
 
 Each ``check_*`` coroutine drives an engine through its interface's lifecycle and raises
 ``AssertionError`` naming the broken rule. Use them from pytest::
 
-    from laminar_core.sim.clock import run_virtual   # or asyncio.run for real engines
     from laminar_core.testing import check_rollout_engine
 
-    def test_my_engine_contract():
-        asyncio.run(check_rollout_engine(lambda name: MyEngine(name), prompt_ids=[1, 2, 3]))
+    def test_my_engine_contract(tiny_model_dir):
+        report = asyncio.run(check_rollout_engine(MyEngine, model_dir=tiny_model_dir))
+        assert not report.skipped, report
+
+A simulated engine runs under ``laminar_core.sim.clock.run_virtual`` instead of
+``asyncio.run``.
 """
 
+from laminar_core.testing.environment import check_environment
+from laminar_core.testing.reference import HFReference, engine_from_config
 from laminar_core.testing.relay import (
     assert_loaded,
     check_relay_chain,
@@ -17,15 +22,23 @@ from laminar_core.testing.relay import (
     make_weights,
     share_version,
 )
+from laminar_core.testing.report import KitReport
 from laminar_core.testing.rollout import check_rollout_engine
+from laminar_core.testing.trainer import check_trainer_engine, contract_batch
 from laminar_core.testing.transport import check_transport
 
 __all__ = [
+    "HFReference",
+    "KitReport",
     "assert_loaded",
+    "check_environment",
     "check_relay_chain",
     "check_relay_faults",
     "check_rollout_engine",
+    "check_trainer_engine",
     "check_transport",
+    "contract_batch",
+    "engine_from_config",
     "make_weights",
     "share_version",
 ]

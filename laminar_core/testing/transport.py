@@ -70,8 +70,15 @@ async def check_transport(
         got = []
         for _ in buckets:
             b = await eps[1].recv(0, alloc)
-            got.append(Bucket(b.version, b.index, b.nbytes, b.checksum,
-                              None if b.data is None else bytes(b.data)))
+            got.append(
+                Bucket(
+                    b.version,
+                    b.index,
+                    b.nbytes,
+                    b.checksum,
+                    None if b.data is None else bytes(b.data),
+                )
+            )
             await eps[1].send(b, 2)
         return got
 

