@@ -62,13 +62,15 @@ class MicroBatch:
 
 
 def trainable(trajs: list[Trajectory]) -> list[Trajectory]:
-    """Trajectories a step can learn from: not failed, with a response and its log-probs."""
+    """Trajectories a step can learn from: not failed, with a response, its log-probs and
+    (when it has one) a loss mask of the response's length."""
     return [
         t
         for t in trajs
         if t.finish_reason.value != "failed"
         and t.response_ids
         and len(t.logprobs) == len(t.response_ids)
+        and (not t.loss_mask or len(t.loss_mask) == len(t.response_ids))
         and t.reward is not None
     ]
 

@@ -49,7 +49,6 @@ from laminar_fsdp.batching import (
     pack_bins,
     pack_micro_batches,
     padded,
-    response_mask,
     responses,
     trainable,
 )
@@ -366,8 +365,12 @@ class FSDPTrainerEngine(TrainerEngine):
         diff: torch.Tensor | None,
     ) -> None:
         token_level = self.algo.loss_agg == "token_mean"
-        tokens = sum(len(trajs[i].response_ids) for i in chunk)
-        total = tokens if token_level else len(chunk)
+        # only the tokens the model generated count (``Trajectory.loss_mask``: a tool's output
+        # appended between turns is 0); sequences with none do not count as sequences either
+        masks = {i: trajs[i].response_mask() for i in chunk}
+        counts = {i: sum(1 for m in masks[i] if m) for i in chunk}
+        tokens = sum(counts.values())
+        total = max(1, tokens if token_level else sum(1 for i in chunk if counts[i]))
         # the ranks of a sequence-parallel group compute the same loss and metrics: only
         # the group's first rank reports them, so the all-reduce counts each once
         report = self.sp_rank == 0
@@ -378,8 +381,8 @@ class FSDPTrainerEngine(TrainerEngine):
                 (lp_rows.sum() * 0.0).backward()  # keeps FSDP's collectives in step
                 continue
             lp = responses(lp_rows, mb.spans)
-            mask = response_mask(mb.spans).to(self.device)
-            width = mask.shape[1]
+            width = max(n for _, _, n in mb.spans)
+            mask = padded([masks[i] for i in mb.index], width).to(self.device)
             behaviour = padded([trajs[i].logprobs for i in mb.index], width).to(self.device)
             recomputed = self._recomputed_like(trajs, mb, width)
             loss, metrics = policy_loss(
@@ -392,7 +395,8 @@ class FSDPTrainerEngine(TrainerEngine):
                 proximal_logprobs=recomputed,
                 max_len=self.cfg.rollout.max_tokens,
             )
-            frac = (mb.num_tokens if token_level else len(mb.index)) / total
+            mine = [counts[i] for i in mb.index]
+            frac = (sum(mine) if token_level else sum(1 for c in mine if c)) / total
             # FSDP averages gradients over all ranks; scaling by world makes the sum over
             # ranks' shares the batch-level objective (each rank of a sequence-parallel
             # group back-propagates the shared loss through its own columns only).

@@ -4,7 +4,9 @@
   fraction of what it keeps without (the engine used to leave it inert: eval mode);
 - the chunked log-prob head keeps no ``[tokens, vocab]`` logits; the full path does;
 - packed (padding-free) micro-batches give the log-probs, loss and gradients of padded ones;
-- none of these options changes the numbers.
+- none of these options changes the numbers;
+- tokens a trajectory's ``loss_mask`` marks 0 (a tool's output in a multi-turn episode) count
+  for nothing: what the rollout reported for them does not move the loss or the gradients.
 """
 
 from __future__ import annotations
@@ -28,7 +30,23 @@ VARIANTS = {
 }
 
 
-def _one(model_dir: str, opts: dict) -> dict:
+def _mask_every_third(batch, garbage: float | None = None):
+    """Loss mask 0 on every third response token; ``garbage``: the rollout log-prob reported
+    at those tokens (the contract says 0.0; anything must do)."""
+    for t in batch.trajectories:
+        t.loss_mask = [0 if j % 3 == 2 else 1 for j in range(len(t.response_ids))]
+        if garbage is not None:
+            t.logprobs = [lp if m else garbage for lp, m in zip(t.logprobs, t.loss_mask)]
+    return batch
+
+
+MASKED = {
+    "masked": lambda b: _mask_every_third(b),
+    "masked_garbage": lambda b: _mask_every_third(b, -50.0),
+}
+
+
+def _one(model_dir: str, opts: dict, transform=lambda b: b) -> dict:
     cfg = config(model_dir)
 
     async def main() -> dict:
@@ -36,7 +54,7 @@ def _one(model_dir: str, opts: dict) -> dict:
         await eng.setup(TrainerContext(0, 1, eng.opt, cfg.algorithm, {}))
         try:
             vocab = eng.lm.config.vocab_size
-            batch = long_tail_batch(vocab, groups=4, prompt=(8, 16), response=(4, 64))
+            batch = transform(long_tail_batch(vocab, groups=4, prompt=(8, 16), response=(4, 64)))
             layers = _decoder_layers(eng.lm)
             return {
                 "vocab": vocab,
@@ -46,6 +64,7 @@ def _one(model_dir: str, opts: dict) -> dict:
                 "logprobs": await eng.compute_logprobs(batch),
                 "metrics": await eng.train_step(batch),
                 "grads": {n: p.grad.full_tensor().clone() for n, p in eng.lm.named_parameters()},
+                "ones": sum(sum(t.response_mask()) for t in batch.trajectories),
             }
         finally:
             await eng.close()
@@ -56,7 +75,9 @@ def _one(model_dir: str, opts: dict) -> dict:
 @pytest.fixture(scope="module")
 def runs(narrow_model) -> dict[str, dict]:
     torch.set_num_threads(1)
-    return {name: _one(narrow_model, opts) for name, opts in VARIANTS.items()}
+    out = {name: _one(narrow_model, opts) for name, opts in VARIANTS.items()}
+    out.update({name: _one(narrow_model, {}, fn) for name, fn in MASKED.items()})
+    return out
 
 
 def test_checkpointing_is_active_and_cuts_saved_activations(runs):
@@ -82,3 +103,13 @@ def test_options_do_not_change_the_numbers(runs, variant):
         assert got["metrics"][key] == pytest.approx(ref["metrics"][key], rel=1e-5, abs=1e-7), key
     for name, g in ref["grads"].items():
         torch.testing.assert_close(got["grads"][name], g, atol=1e-6, rtol=1e-4, msg=name)
+
+
+def test_loss_mask_zero_tokens_count_for_nothing(runs):
+    masked, garbage, plain = runs["masked"], runs["masked_garbage"], runs["packed"]
+    assert masked["metrics"]["logprob_diff_tokens"] == masked["ones"] < plain["ones"]
+    for key in ("loss", "pg_loss", "entropy", "grad_norm", "logprob_abs_diff_mean"):
+        assert garbage["metrics"][key] == pytest.approx(masked["metrics"][key], rel=1e-6), key
+    assert masked["metrics"]["loss"] != pytest.approx(plain["metrics"]["loss"], rel=1e-3)
+    for name, g in masked["grads"].items():
+        torch.testing.assert_close(garbage["grads"][name], g, atol=1e-7, rtol=1e-6, msg=name)
