@@ -12,6 +12,7 @@ from .config import (
     AlgorithmConfig,
     validate_algorithm,
 )
+from .logprobs import chunked_logprobs, full_logprobs
 from .losses import aggregate, kl_penalty, policy_loss, ppo_clip_loss, truncated_is_weights
 
 __all__ = [
@@ -21,8 +22,10 @@ __all__ = [
     "OFF_POLICY_CORRECTIONS",
     "AlgorithmConfig",
     "aggregate",
+    "chunked_logprobs",
     "compute_advantages",
     "dr_grpo",
+    "full_logprobs",
     "grpo",
     "kl_penalty",
     "policy_loss",

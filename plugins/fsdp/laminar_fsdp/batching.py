@@ -1,8 +1,20 @@
-"""Turning a ``TrainBatch`` into padded tensors, split over ranks and micro-batches.
+"""Turning a ``TrainBatch`` into micro-batches: split over ranks, then packed or padded.
 
 Every rank sees the whole batch and computes the same split, so no rank has to tell another
 what it holds; FSDP needs every rank in every forward/backward, so ranks with fewer
 micro-batches run empty (zero-weight) ones to keep the collectives in step.
+
+Two layouts, the same numbers:
+
+- **packed** (default): the micro-batch is ONE row, its trajectories concatenated; position
+  ids restart at 0 for each trajectory and attention does not cross them (transformers reads
+  the restarts from ``position_ids``: a block-diagonal mask for SDPA, ``cu_seqlens`` for
+  FlashAttention-2; the sequence-parallel path builds them from ``cu_seqlens`` itself). A
+  micro-batch holds up to ``budget`` real tokens: no padding is computed.
+- **padded**: one right-padded row per trajectory, ``budget`` bounding rows x longest.
+
+In both, column ``j`` of a row is scored against ``labels[j]``, the next token of the same
+trajectory; ``spans`` say where each trajectory's response log-probs sit.
 """
 
 from __future__ import annotations
@@ -14,34 +26,51 @@ import torch
 from laminar_core import Trajectory
 
 
-@dataclass
+@dataclass(eq=False)
 class MicroBatch:
-    """Right-padded sequences, shifted so column ``j`` predicts token ``j + 1``.
+    """Rows of token ids and where each trajectory's response log-probs are.
 
-    ``mask`` marks response tokens; ``behaviour`` holds the rollout engine's log-probs at
-    those positions; ``index`` is each row's position in the mini-batch's trajectory list.
+    ``spans[k] = (row, col, n)``: trajectory ``index[k]``'s ``n`` response log-probs are
+    ``logprobs[row, col : col + n]`` (``col`` is the last prompt token's column: it predicts
+    the first response token). ``attention_mask`` is ``None`` for a packed row. ``cu_seqlens``
+    (packed only) are the row's segment boundaries, trailing padding included.
     """
 
-    input_ids: torch.Tensor  # [B, L]
-    attention_mask: torch.Tensor  # [B, L]
-    labels: torch.Tensor  # [B, L-1]
-    mask: torch.Tensor  # [B, L-1] float
-    behaviour: torch.Tensor  # [B, L-1]
+    input_ids: torch.Tensor  # [R, L]
+    position_ids: torch.Tensor  # [R, L]
+    labels: torch.Tensor  # [R, L]
+    attention_mask: torch.Tensor | None  # [R, L] or None (packed)
     index: list[int]
+    spans: list[tuple[int, int, int]]
+    cu_seqlens: list[int] | None = None
 
     @property
     def num_tokens(self) -> int:
-        return int(self.mask.sum().item())
+        """Response tokens (the ones the loss counts)."""
+        return sum(n for _, _, n in self.spans)
+
+    @property
+    def real_tokens(self) -> int:
+        """Prompt + response tokens of the trajectories held (no padding)."""
+        if self.attention_mask is not None:
+            return int(self.attention_mask.sum())
+        return self.cu_seqlens[len(self.index)] if self.cu_seqlens else 0
+
+    @property
+    def packed(self) -> bool:
+        return self.attention_mask is None
 
 
 def trainable(trajs: list[Trajectory]) -> list[Trajectory]:
-    """Trajectories a step can learn from: not failed, with a response and its log-probs."""
+    """Trajectories a step can learn from: not failed, with a response, its log-probs and
+    (when it has one) a loss mask of the response's length."""
     return [
         t
         for t in trajs
         if t.finish_reason.value != "failed"
         and t.response_ids
         and len(t.logprobs) == len(t.response_ids)
+        and (not t.loss_mask or len(t.loss_mask) == len(t.response_ids))
         and t.reward is not None
     ]
 
@@ -58,7 +87,7 @@ def assign_ranks(lengths: list[int], world: int) -> list[list[int]]:
 
 
 def pack_micro_batches(lengths: list[int], indices: list[int], budget: int) -> list[list[int]]:
-    """Group ``indices`` so each group's padded size (rows x longest) stays within ``budget``.
+    """Padded layout: group ``indices`` so each group's rows x longest stays within ``budget``.
 
     A single sequence longer than the budget gets a micro-batch of its own.
     """
@@ -77,26 +106,112 @@ def pack_micro_batches(lengths: list[int], indices: list[int], budget: int) -> l
     return groups
 
 
+def pack_bins(lengths: list[int], indices: list[int], budget: int) -> list[list[int]]:
+    """Packed layout: first-fit decreasing of ``indices`` into bins of ``budget`` real tokens.
+
+    A sequence longer than the budget gets a bin of its own. Deterministic (ties by index),
+    so every rank computes the same bins.
+    """
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(indices, key=lambda i: (-lengths[i], i)):
+        for b, free in enumerate(room):
+            if lengths[i] <= free:
+                bins[b].append(i)
+                room[b] -= lengths[i]
+                break
+        else:
+            bins.append([i])
+            room.append(budget - lengths[i])
+    return [sorted(b) for b in bins]
+
+
+def _sequence(t: Trajectory) -> list[int]:
+    return list(t.prompt_ids) + list(t.response_ids)
+
+
 def collate(trajs: list[Trajectory], index: list[int], pad_id: int) -> MicroBatch:
+    """Padded layout: one right-padded row per trajectory."""
     rows = [trajs[i] for i in index]
-    seqs = [list(t.prompt_ids) + list(t.response_ids) for t in rows]
+    seqs = [_sequence(t) for t in rows]
     width = max(len(s) for s in seqs)
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     attn = torch.zeros((len(rows), width), dtype=torch.long)
-    mask = torch.zeros((len(rows), width - 1))
-    behaviour = torch.zeros((len(rows), width - 1))
+    spans = []
     for r, (t, s) in enumerate(zip(rows, seqs, strict=True)):
         ids[r, : len(s)] = torch.tensor(s)
         attn[r, : len(s)] = 1
-        p, n = len(t.prompt_ids), len(t.response_ids)
-        mask[r, p - 1 : p - 1 + n] = 1.0  # column j predicts token j + 1
-        behaviour[r, p - 1 : p - 1 + n] = torch.tensor(t.logprobs, dtype=torch.float32)
-    return MicroBatch(ids, attn, ids[:, 1:].clone(), mask, behaviour, list(index))
+        spans.append((r, len(t.prompt_ids) - 1, len(t.response_ids)))
+    labels = torch.full_like(ids, pad_id)
+    labels[:, :-1] = ids[:, 1:]
+    pos = torch.arange(width).expand(len(rows), width).contiguous()
+    return MicroBatch(ids, pos, labels, attn, list(index), spans)
 
 
-def empty_micro_batch(pad_id: int) -> MicroBatch:
-    """A one-token row with nothing to learn: keeps a rank in step with the others."""
-    ids = torch.full((1, 2), pad_id, dtype=torch.long)
-    return MicroBatch(
-        ids, torch.ones_like(ids), ids[:, 1:].clone(), torch.zeros(1, 1), torch.zeros(1, 1), []
-    )
+def collate_packed(
+    trajs: list[Trajectory], index: list[int], pad_id: int, multiple: int = 1
+) -> MicroBatch:
+    """Packed layout: ``index``'s trajectories in one row, padded at the end to a multiple of
+    ``multiple`` (the sequence-parallel degree) with a segment of its own."""
+    ids: list[int] = []
+    pos: list[int] = []
+    labels: list[int] = []
+    spans: list[tuple[int, int, int]] = []
+    cu = [0]
+    for i in index:
+        t = trajs[i]
+        s = _sequence(t)
+        spans.append((0, len(ids) + len(t.prompt_ids) - 1, len(t.response_ids)))
+        ids += s
+        pos += range(len(s))
+        labels += [*s[1:], pad_id]
+        cu.append(len(ids))
+    pad = -len(ids) % multiple
+    if pad:
+        ids += [pad_id] * pad
+        pos += range(pad)
+        labels += [pad_id] * pad
+        cu.append(len(ids))
+    as_row = lambda x: torch.tensor(x, dtype=torch.long)[None]  # noqa: E731
+    return MicroBatch(as_row(ids), as_row(pos), as_row(labels), None, list(index), spans, cu)
+
+
+def empty_micro_batch(pad_id: int, packed: bool = True, multiple: int = 1) -> MicroBatch:
+    """A short row with nothing to learn: keeps a rank in step with the others."""
+    n = max(2, multiple)
+    ids = torch.full((1, n), pad_id, dtype=torch.long)
+    pos = torch.arange(n)[None]
+    attn = None if packed else torch.ones_like(ids)
+    return MicroBatch(ids, pos, ids.clone(), attn, [], [], [0, n] if packed else None)
+
+
+def responses(values: torch.Tensor, spans: list[tuple[int, int, int]]) -> torch.Tensor:
+    """Per-position ``values [R, L]`` -> per-trajectory response values ``[k, T]`` (T = the
+    longest response; zeros past each response's end). One gather; differentiable."""
+    width = max((n for _, _, n in spans), default=1)
+    if not spans:
+        return values.new_zeros(0, width)
+    cols = values.shape[-1]
+    start = torch.tensor([r * cols + c for r, c, _ in spans])[:, None]
+    steps = torch.arange(width)[None]
+    valid = steps < torch.tensor([n for _, _, n in spans])[:, None]
+    idx = torch.where(valid, start + steps, start).to(values.device)
+    out = values.reshape(-1)[idx]
+    return out.masked_fill(~valid.to(values.device), 0.0)
+
+
+def response_mask(spans: list[tuple[int, int, int]]) -> torch.Tensor:
+    """``[k, T]`` float mask of the response tokens, aligned with :func:`responses`."""
+    width = max((n for _, _, n in spans), default=1)
+    mask = torch.zeros(len(spans), width)
+    for k, (_, _, n) in enumerate(spans):
+        mask[k, :n] = 1.0
+    return mask
+
+
+def padded(rows: list[list[float] | torch.Tensor], width: int) -> torch.Tensor:
+    """``[k, width]`` float32 from ragged rows (zeros past each row's end)."""
+    out = torch.zeros(len(rows), width)
+    for k, r in enumerate(rows):
+        out[k, : len(r)] = torch.as_tensor(r, dtype=torch.float32)
+    return out

@@ -1,24 +1,30 @@
 """``FSDPTrainerEngine``: one rank of a torch FSDP2 trainer group over a transformers model.
 
-Every rank gets the whole ``TrainBatch`` and computes the same deterministic split (ranks by
-token balance, then micro-batches by ``micro_batch_tokens``), so the ranks never exchange
-trajectories. The objective is core's ``policy_loss``; this engine only computes log-probs.
-Weights are exported as full tensors under the Hugging Face names that vLLM and SGLang load.
-Checkpoints are torch distributed checkpoints (sharded model + optimizer) plus a small JSON
-with the step and the LR scheduler.
+Every rank gets the whole ``TrainBatch`` and computes the same deterministic split (data-parallel
+groups by token balance, then packed micro-batches of ``micro_batch_tokens`` real tokens per
+rank), so the ranks never exchange trajectories. With ``sequence_parallel: N`` the N ranks of a
+group share each packed row (Ulysses all-to-all around attention, ``ulysses.py``); FSDP shards
+the parameters over all ranks. The objective is core's ``policy_loss`` on per-trajectory
+response log-probs; this engine computes those log-probs without ever building
+``[tokens, vocab]`` logits (``policy.py``). Weights are exported as full tensors under the
+Hugging Face names that vLLM and SGLang load, bucket by bucket (``export.py``). Checkpoints
+are torch distributed checkpoints (sharded model + optimizer) plus a small JSON with the step
+and the LR scheduler.
 """
 
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import math
 import os
 import socket
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -29,22 +35,32 @@ from laminar_core import (
     TrainerContext,
     TrainerEngine,
     Trajectory,
-    iterate_in_thread,
     model_dir,
 )
 from laminar_core.algorithms import compute_advantages, policy_loss
+from laminar_fsdp import attention, ulysses
+from laminar_fsdp.attention import PackedRow
 from laminar_fsdp.batching import (
     MicroBatch,
     assign_ranks,
     collate,
+    collate_packed,
     empty_micro_batch,
+    pack_bins,
     pack_micro_batches,
+    padded,
+    responses,
     trainable,
 )
+from laminar_fsdp.export import WeightStream, export_buckets
+from laminar_fsdp.memory import SavedBytes, saved_activations
 from laminar_fsdp.options import FSDPOptions
+from laminar_fsdp.policy import PolicyModel, train_mode_without_dropout
+from laminar_fsdp.ulysses import gather_sequence
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _STATE_FILE = "trainer_state.json"
+T = TypeVar("T")
 
 
 def free_port() -> int:
@@ -65,12 +81,35 @@ class FSDPTrainerEngine(TrainerEngine):
         self.opt = options or FSDPOptions()
         self.version = 0  # optimiser steps taken == weight version held
         self.rank, self.world = 0, 1
-        self.model: torch.nn.Module | None = None
+        # sequence parallelism: ranks [dp_rank * sp, (dp_rank + 1) * sp) share a packed row
+        self.sp, self.dp, self.sp_rank, self.dp_rank = 1, 1, 0, 0
+        self.sp_group: dist.ProcessGroup | None = None
+        self.row_kwarg = False  # the model runs attention.py's packed attention
+        self.device = torch.device("cpu")
+        self.model: PolicyModel | None = None
+        self.lm: torch.nn.Module | None = None
         self._recomputed: dict[str, torch.Tensor] = {}
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="laminar-fsdp")
+
+    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+        """Blocking work off the event loop, always on the engine's one worker thread: the
+        CUDA device is per thread, collectives must run in one order, and DTensor caches its
+        sharding decisions per thread (a fresh thread re-derives them: ~0.4 s per step for
+        the tiny model's optimiser step on CPU, measured)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, self._on_device, fn, *args)
+
+    def _on_device(self, fn: Callable[..., T], *args: Any) -> T:
+        self._pin_device()
+        return fn(*args)
+
+    def _pin_device(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
 
     # -- setup -------------------------------------------------------------------------------
     async def setup(self, ctx: TrainerContext) -> None:
-        await asyncio.to_thread(self._setup, ctx)
+        await self._run(self._setup, ctx)
 
     def _setup(self, ctx: TrainerContext) -> None:
         from torch.distributed.device_mesh import init_device_mesh
@@ -78,12 +117,19 @@ class FSDPTrainerEngine(TrainerEngine):
         from transformers import AutoModelForCausalLM
 
         self.rank, self.world, self.algo = ctx.rank, ctx.world_size, ctx.algorithm
+        self.sp = self.opt.sequence_parallel
+        if self.world % self.sp:
+            raise ValueError(
+                f"trainer.fsdp.sequence_parallel={self.sp} must divide the trainer's "
+                f"{self.world} ranks (cluster.trainer_gpus); pick a divisor of {self.world}"
+            )
+        self.dp, self.dp_rank, self.sp_rank = self.world // self.sp, *divmod(self.rank, self.sp)
         path = model_dir(self.cfg.model.path, f"trainer rank {self.rank}")
         cuda = torch.cuda.is_available() and self.opt.backend != "gloo"
         backend = "nccl" if cuda else "gloo"
         if cuda:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        self.device = torch.device("cuda" if cuda else "cpu")
+            self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+            torch.cuda.set_device(self.device)
         torch.manual_seed(int(ctx.options.get("seed", self.cfg.run.seed)))
         if not dist.is_initialized():
             init = ctx.options.get("init_method") or f"tcp://127.0.0.1:{free_port()}"
@@ -94,10 +140,24 @@ class FSDPTrainerEngine(TrainerEngine):
                 world_size=self.world,
                 timeout=timedelta(minutes=10),
             )
-        mesh = init_device_mesh(self.device.type, (self.world,))
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+        mesh = init_device_mesh(self.device.type, (self.world,))  # FSDP shards over all ranks
+        if self.sp > 1:
+            grid = init_device_mesh(
+                self.device.type, (self.dp, self.sp), mesh_dim_names=("dp", "sp")
+            )
+            self.sp_group = grid.get_group("sp")
+        attn = self._attention(cuda)
+        self.row_kwarg = attn == attention.ATTENTION_NAME
+        lm = AutoModelForCausalLM.from_pretrained(
+            str(path), dtype=torch.float32, attn_implementation=attn
+        )
+        if self.sp > 1:
+            conf = lm.config
+            ulysses.kv_repeat(conf.num_key_value_heads, conf.num_attention_heads, self.sp)
         if self.opt.gradient_checkpointing:
-            model.gradient_checkpointing_enable()
+            lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        train_mode_without_dropout(lm)  # the mode is deliberate: see its docstring
+        policy = PolicyModel(lm)
         dtype = self.opt.param_dtype
         if dtype == "auto":
             dtype = self.cfg.model.dtype if cuda else "float32"
@@ -107,25 +167,36 @@ class FSDPTrainerEngine(TrainerEngine):
         kw: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": self.opt.reshard_after_forward}
         if mp is not None:
             kw["mp_policy"] = mp
-        for layer in _decoder_layers(model):
+        for layer in _decoder_layers(lm):
             fully_shard(layer, **kw)
-        fully_shard(model, **kw)
-        model.to(self.device)
-        self.model = model
+        fully_shard(policy, **kw)
+        policy.to(self.device)
+        self.model, self.lm = policy, lm
         o = self.opt
         self.optim = torch.optim.AdamW(
-            model.parameters(),
+            policy.parameters(),
             lr=o.lr,
             betas=(o.beta1, o.beta2),
             eps=o.eps,
             weight_decay=o.weight_decay,
         )
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.optim, self._lr_factor)
-        conf = model.config
+        conf = lm.config
         pad = conf.pad_token_id if conf.pad_token_id is not None else conf.eos_token_id
         self.pad_id = int(pad if isinstance(pad, int) else (pad or [0])[0])
         self.temperature = float(self.cfg.rollout.temperature) or 1.0
         self.export_dtype = _DTYPES.get(self.cfg.model.dtype, torch.float32)
+
+    def _attention(self, cuda: bool) -> str:
+        """The transformers attention implementation. Packed rows (and always under sequence
+        parallelism) use the engine's own (``attention.py``: varlen FlashAttention or SDPA per
+        trajectory, no dense mask) unless ``attention`` names one of transformers'; padded
+        rows use ``flash_attention_2`` on CUDA when flash-attn is installed, else SDPA."""
+        if self.sp > 1 or (self.opt.pack and self.opt.attention == "auto"):
+            return attention.register()
+        if self.opt.attention != "auto":
+            return self.opt.attention
+        return "flash_attention_2" if cuda and importlib.util.find_spec("flash_attn") else "sdpa"
 
     def _lr_factor(self, step: int) -> float:
         o = self.opt
@@ -139,66 +210,108 @@ class FSDPTrainerEngine(TrainerEngine):
         return o.min_lr_ratio + (1 - o.min_lr_ratio) * decay
 
     # -- log-probs ---------------------------------------------------------------------------
-    def _logprobs(self, mb: MicroBatch) -> torch.Tensor:
-        out = self.model(
-            input_ids=mb.input_ids.to(self.device),
-            attention_mask=mb.attention_mask.to(self.device),
-            use_cache=False,
+    def _forward(
+        self, mb: MicroBatch, with_entropy: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Per-position log-probs ``[R, L]`` of ``mb.labels`` (entropy: detached, or None).
+
+        Under sequence parallelism this rank runs its ``L / sp`` columns and the results are
+        all-gathered (differentiably) so every rank of the group holds the whole row.
+        """
+        dev = self.device
+        ids, pos, labels = mb.input_ids, mb.position_ids, mb.labels
+        row = None
+        if mb.packed and self.row_kwarg:
+            sp = {"group": self.sp_group, "size": self.sp, "rank": self.sp_rank}
+            row = PackedRow.of(mb.cu_seqlens, dev, **sp)
+        if self.sp > 1:
+            width = ids.shape[1] // self.sp
+            cols = slice(self.sp_rank * width, (self.sp_rank + 1) * width)
+            ids, pos, labels = ids[:, cols], pos[:, cols], labels[:, cols]
+        mask = mb.attention_mask.to(dev) if mb.attention_mask is not None else None
+        lp, ent = self.model(
+            ids.to(dev),
+            pos.to(dev),
+            labels.to(dev),
+            mask,
+            temperature=self.temperature,
+            chunk=self.opt.logprob_chunk,
+            with_entropy=with_entropy,
+            row=row,
         )
-        logits = out.logits[:, :-1].float() / self.temperature
-        labels = mb.labels.to(self.device)[..., None]
-        return torch.log_softmax(logits, -1).gather(-1, labels)[..., 0]
+        if ent is not None:
+            ent = ent.detach()
+        if row is not None and row.size > 1:
+            lp = gather_sequence(lp, row)
+            ent = gather_sequence(ent, row) if ent is not None else None
+        return lp, ent
 
     def _plan(self, trajs: list[Trajectory], chunk: list[int]) -> list[MicroBatch]:
         """This rank's micro-batches over ``chunk`` (indices into ``trajs``), padded with empty
-        ones to the largest count of any rank."""
+        ones to the largest count of any data-parallel group. The ranks of a
+        sequence-parallel group get the same micro-batches (and split each row)."""
         lengths = [len(t.prompt_ids) + len(t.response_ids) for t in trajs]
-        per_rank = assign_ranks([lengths[i] for i in chunk], self.world)
-        plans = [
-            pack_micro_batches(lengths, [chunk[j] for j in mine], self.opt.micro_batch_tokens)
-            for mine in per_rank
-        ]
+        per_group = assign_ranks([lengths[i] for i in chunk], self.dp)
+        pack = self.opt.pack
+        budget = self.opt.micro_batch_tokens * self.sp
+        group = pack_bins if pack else pack_micro_batches
+        plans = [group(lengths, [chunk[j] for j in mine], budget) for mine in per_group]
         n = max(len(p) for p in plans)
-        mine = [collate(trajs, idx, self.pad_id) for idx in plans[self.rank]]
-        return mine + [empty_micro_batch(self.pad_id)] * (n - len(mine))
+        if pack:
+            mine = [collate_packed(trajs, idx, self.pad_id, self.sp) for idx in plans[self.dp_rank]]
+        else:
+            mine = [collate(trajs, idx, self.pad_id) for idx in plans[self.dp_rank]]
+        empty = [empty_micro_batch(self.pad_id, pack, self.sp) for _ in range(n - len(mine))]
+        return mine + empty
 
     async def compute_logprobs(self, batch: TrainBatch) -> list[list[float]]:
-        return await asyncio.to_thread(self._compute_logprobs, batch)
+        return await self._run(self._compute_logprobs, batch)
 
     @torch.no_grad()
     def _compute_logprobs(self, batch: TrainBatch) -> list[list[float]]:
         trajs = trainable(batch.trajectories)
         self._recomputed.clear()
         for mb in self._plan(trajs, list(range(len(trajs)))):
-            lp = self._logprobs(mb).cpu()
-            for row, i in enumerate(mb.index):
-                t = trajs[i]
-                p, n = len(t.prompt_ids), len(t.response_ids)
-                self._recomputed[t.traj_id] = lp[row, p - 1 : p - 1 + n].clone()
+            lp, _ = self._forward(mb)
+            resp = responses(lp, mb.spans).cpu()
+            for k, (i, (_, _, n)) in enumerate(zip(mb.index, mb.spans, strict=True)):
+                self._recomputed[trajs[i].traj_id] = resp[k, :n].clone()
         return [
             self._recomputed[t.traj_id].tolist() if t.traj_id in self._recomputed else []
             for t in batch.trajectories
         ]
 
-    def _recomputed_like(self, trajs: list[Trajectory], mb: MicroBatch) -> torch.Tensor | None:
+    def _recomputed_like(
+        self, trajs: list[Trajectory], mb: MicroBatch, width: int
+    ) -> torch.Tensor | None:
         if self.algo.off_policy == "none":
             return None
-        out = torch.zeros_like(mb.behaviour)
-        for row, i in enumerate(mb.index):
-            t = trajs[i]
-            got = self._recomputed.get(t.traj_id)
+        rows = []
+        for i in mb.index:
+            got = self._recomputed.get(trajs[i].traj_id)
             if got is None:
                 raise RuntimeError(
                     f"off_policy={self.algo.off_policy!r} needs compute_logprobs before "
-                    f"train_step (trajectory {t.traj_id} has no recomputed log-probs)"
+                    f"train_step (trajectory {trajs[i].traj_id} has no recomputed log-probs)"
                 )
-            p = len(t.prompt_ids)
-            out[row, p - 1 : p - 1 + len(got)] = got
-        return out.to(self.device)
+            rows.append(got)
+        return padded(rows, width).to(self.device)
+
+    def saved_activation_bytes(self, batch: TrainBatch) -> SavedBytes:
+        """What one micro-batch's forward keeps for backward: the micro-batch of this rank
+        with the most real tokens (``memory.saved_activations``). Collective, like a step."""
+        trajs = trainable(batch.trajectories)
+        plan = self._plan(trajs, list(range(len(trajs))))
+        mb = max(plan, key=lambda m: m.real_tokens)  # the first of the largest
+        with saved_activations(_decoder_layers(self.lm)) as saved:
+            lp, _ = self._forward(mb)
+        (lp.sum() * 0.0).backward()  # frees the graph and keeps FSDP's collectives in step
+        self.optim.zero_grad(set_to_none=True)
+        return saved
 
     # -- training ----------------------------------------------------------------------------
     async def train_step(self, batch: TrainBatch) -> dict[str, float]:
-        return await asyncio.to_thread(self._train_step, batch)
+        return await self._run(self._train_step, batch)
 
     def _train_step(self, batch: TrainBatch) -> dict[str, float]:
         trajs = trainable(batch.trajectories)
@@ -209,13 +322,21 @@ class FSDPTrainerEngine(TrainerEngine):
             chunks = _split(len(trajs), max(1, min(self.cfg.trainer.mini_batches, len(trajs))))
             for c, chunk in enumerate(chunks):
                 self._update(trajs, chunk, advantages, sums, diff if c == 0 else None)
-        # one all-reduce for every figure: metric sums, then the log-prob agreement stats
+        # one all-reduce for every figure: metric sums, then the log-prob agreement stats. A
+        # rank that ran only empty micro-batches has no metric keys: agree on the union first.
         keys = sorted(sums)
-        flat = torch.tensor([sums[k] for k in keys] + [diff[1].item(), diff[2].item()])
-        dmax = diff[:1].clone()
         if self.world > 1:
+            every: list[list[str]] = [[] for _ in range(self.world)]
+            dist.all_gather_object(every, keys)
+            keys = sorted(set().union(*every))
+        values = [sums.get(k, 0.0) for k in keys] + [diff[1].item(), diff[2].item()]
+        flat = torch.tensor(values, dtype=torch.float64)
+        dmax = diff[:1].clone()
+        if self.world > 1:  # NCCL reduces device tensors only
+            flat, dmax = flat.to(self.device), dmax.to(self.device)
             dist.all_reduce(flat)
             dist.all_reduce(dmax, op=dist.ReduceOp.MAX)
+            flat, dmax = flat.cpu(), dmax.cpu()
         n_chunks = max(1, min(self.cfg.trainer.mini_batches, len(trajs))) if trajs else 1
         out = {k: flat[i].item() / n_chunks for i, k in enumerate(keys)}
         out["lr"] = self.optim.param_groups[0]["lr"]
@@ -244,16 +365,26 @@ class FSDPTrainerEngine(TrainerEngine):
         diff: torch.Tensor | None,
     ) -> None:
         token_level = self.algo.loss_agg == "token_mean"
-        total = sum(len(trajs[i].response_ids) for i in chunk) if token_level else len(chunk)
+        # only the tokens the model generated count (``Trajectory.loss_mask``: a tool's output
+        # appended between turns is 0); sequences with none do not count as sequences either
+        masks = {i: trajs[i].response_mask() for i in chunk}
+        counts = {i: sum(1 for m in masks[i] if m) for i in chunk}
+        tokens = sum(counts.values())
+        total = max(1, tokens if token_level else sum(1 for i in chunk if counts[i]))
+        # the ranks of a sequence-parallel group compute the same loss and metrics: only
+        # the group's first rank reports them, so the all-reduce counts each once
+        report = self.sp_rank == 0
         self.optim.zero_grad(set_to_none=True)
         for mb in self._plan(trajs, chunk):
-            lp = self._logprobs(mb)
+            lp_rows, ent_rows = self._forward(mb, with_entropy=True)
             if not mb.index:
-                (lp.sum() * 0.0).backward()  # keeps FSDP's collectives in step across ranks
+                (lp_rows.sum() * 0.0).backward()  # keeps FSDP's collectives in step
                 continue
-            mask = mb.mask.to(self.device)
-            behaviour = mb.behaviour.to(self.device)
-            recomputed = self._recomputed_like(trajs, mb)
+            lp = responses(lp_rows, mb.spans)
+            width = max(n for _, _, n in mb.spans)
+            mask = padded([masks[i] for i in mb.index], width).to(self.device)
+            behaviour = padded([trajs[i].logprobs for i in mb.index], width).to(self.device)
+            recomputed = self._recomputed_like(trajs, mb, width)
             loss, metrics = policy_loss(
                 self.algo,
                 lp,
@@ -264,13 +395,18 @@ class FSDPTrainerEngine(TrainerEngine):
                 proximal_logprobs=recomputed,
                 max_len=self.cfg.rollout.max_tokens,
             )
-            frac = (mb.num_tokens if token_level else len(mb.index)) / total
-            # FSDP averages gradients over ranks; scaling by world makes the sum over ranks'
-            # shares the batch-level mean the objective defines.
+            mine = [counts[i] for i in mb.index]
+            frac = (sum(mine) if token_level else sum(1 for c in mine if c)) / total
+            # FSDP averages gradients over all ranks; scaling by world makes the sum over
+            # ranks' shares the batch-level objective (each rank of a sequence-parallel
+            # group back-propagates the shared loss through its own columns only).
             (loss * frac * self.world).backward()
+            share = frac if report else 0.0  # same keys on every rank: the all-reduce needs them
             for k, v in metrics.items():
-                sums[k] = sums.get(k, 0.0) + float(v) * frac
-            if diff is not None:
+                sums[k] = sums.get(k, 0.0) + float(v) * share
+            ent = (responses(ent_rows, mb.spans) * mask).sum().item() if report else 0.0
+            sums["entropy"] = sums.get("entropy", 0.0) + ent / max(1, tokens)
+            if diff is not None and report:
                 self._agreement(trajs, mb, lp.detach(), behaviour, mask, diff)
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.opt.grad_clip)
         norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
@@ -281,8 +417,8 @@ class FSDPTrainerEngine(TrainerEngine):
     def _agreement(self, trajs, mb, lp, behaviour, mask, diff) -> None:
         """|trainer - rollout| log-prob over tokens generated by the version held now."""
         rows = [
-            r
-            for r, i in enumerate(mb.index)
+            k
+            for k, i in enumerate(mb.index)
             if trajs[i].versions in ([], [self.version]) and trajs[i].version == self.version
         ]
         if not rows:
@@ -293,23 +429,32 @@ class FSDPTrainerEngine(TrainerEngine):
         diff[2] += mask[rows].sum().item()
 
     # -- weights -----------------------------------------------------------------------------
-    def export_weights(self) -> AsyncIterator[tuple[str, torch.Tensor]]:
-        """Full tensors in Hugging Face naming, one parameter at a time, each gathered on a
-        worker thread (the event loop keeps serving).
+    async def export_weights(self) -> AsyncIterator[tuple[str, torch.Tensor]]:
+        """Full tensors in Hugging Face naming, cast to ``model.dtype``, bucket by bucket
+        (``export_bucket_mb``; see ``export.py``): each bucket's all-gather and host copy run
+        on the engine's worker thread while the event loop keeps serving.
 
-        Collective: every rank must iterate it in step (each parameter is all-gathered);
-        the runtime keeps rank 0's tensors and drops the others'.
+        Collective: every rank must iterate it in step (each bucket is one all-gather); the
+        runtime keeps rank 0's tensors and drops the others'. Tensors are host copies the
+        consumer owns: nothing the engine does later overwrites them.
         """
-        return iterate_in_thread(self._full_tensors())
+        async for item in self.weight_stream():
+            yield item
 
-    def _full_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, p in self.model.named_parameters():
-            full = p.full_tensor() if hasattr(p, "full_tensor") else p
-            yield name, full.detach().to("cpu", self.export_dtype)
+    def weight_stream(self) -> WeightStream:
+        """The export as a stream iterable with ``async for`` (as ``export_weights``) or,
+        blocking the caller, a plain ``for`` (benchmarks, tools)."""
+        named = list(self.lm.named_parameters())
+        size = int(self.opt.export_bucket_mb * (1 << 20))
+        return WeightStream(
+            lambda: export_buckets(named, self.export_dtype, self.device, size),
+            self._pin_device,
+            self._pool,
+        )
 
     # -- checkpoints -------------------------------------------------------------------------
     async def save_checkpoint(self, directory: str) -> None:
-        await asyncio.to_thread(self._save, directory)
+        await self._run(self._save, directory)
 
     def _save(self, directory: str) -> None:
         import torch.distributed.checkpoint as dcp
@@ -324,7 +469,7 @@ class FSDPTrainerEngine(TrainerEngine):
             dist.barrier()
 
     async def load_checkpoint(self, directory: str) -> None:
-        await asyncio.to_thread(self._load, directory)
+        await self._run(self._load, directory)
 
     def _load(self, directory: str) -> None:
         import torch.distributed.checkpoint as dcp
@@ -345,7 +490,8 @@ class FSDPTrainerEngine(TrainerEngine):
 
     async def close(self) -> None:
         if dist.is_initialized():
-            dist.destroy_process_group()
+            await self._run(dist.destroy_process_group)
+        self._pool.shutdown(wait=False)
 
 
 def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

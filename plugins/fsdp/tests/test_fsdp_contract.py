@@ -52,7 +52,7 @@ class _StaleExport(FSDPTrainerEngine):
 
     def export_weights(self):
         if not hasattr(self, "_first"):
-            self._first = [(n, t.clone()) for n, t in self._full_tensors()]
+            self._first = [(n, t.clone()) for n, t in self.weight_stream()]
 
         async def stale():
             for item in self._first:

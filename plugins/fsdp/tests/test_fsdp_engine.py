@@ -14,7 +14,6 @@ import torch
 import torch.multiprocessing as mp
 
 from laminar_core import FinishReason, Group, TrainBatch, TrainerContext, Trajectory, load_config
-from laminar_core.models import build_tiny_model
 from laminar_fsdp import FSDPOptions, FSDPTrainerEngine
 
 
@@ -71,7 +70,9 @@ def _rank(rank: int, world: int, port: int, model_dir: str, ckpt: str, out: dict
     ).cfg
 
     async def main() -> dict:
-        eng = FSDPTrainerEngine(cfg, FSDPOptions(lr=1e-3, micro_batch_tokens=40))
+        # buckets of 256 KiB: the tiny model's ~1 MiB goes out in several
+        opts = FSDPOptions(lr=1e-3, micro_batch_tokens=40, export_bucket_mb=0.25)
+        eng = FSDPTrainerEngine(cfg, opts)
         ctx = TrainerContext(
             rank,
             world,
@@ -93,17 +94,13 @@ def _rank(rank: int, world: int, port: int, model_dir: str, ckpt: str, out: dict
             "metrics": metrics,
             "changed": sum(not torch.equal(before[k], after[k]) for k in before),
             "names": sorted(after),
+            "before": before,
             "restored_equal": all(torch.equal(after[k], restored[k]) for k in after),
             "version": eng.version,
             "checksum": sum(float(v.double().sum()) for v in after.values()),
         }
 
     out[rank] = asyncio.run(main())
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> str:
-    return str(build_tiny_model(tmp_path_factory.mktemp("tiny"), seed=0))
 
 
 def test_two_gloo_ranks_train_export_and_checkpoint(tiny_model, tmp_path):
@@ -127,6 +124,9 @@ def test_two_gloo_ranks_train_export_and_checkpoint(tiny_model, tmp_path):
     with safe_open(os.path.join(tiny_model, "model.safetensors"), "pt") as f:
         hf_names = set(f.keys())
     assert set(r0["names"]) <= hf_names | {"lm_head.weight"}  # HF naming, full model
+    with safe_open(os.path.join(tiny_model, "model.safetensors"), "pt") as f:
+        for name, t in r0["before"].items():  # the export of the loaded model is the file
+            assert torch.equal(t, f.get_tensor(name)), name
     assert r0["changed"] > 0  # the step moved the weights
     assert r0["checksum"] == pytest.approx(r1["checksum"])  # both ranks hold the same model
     assert r0["restored_equal"] and r1["restored_equal"]
