@@ -14,18 +14,20 @@ from laminar_core.tasks.build import (
     tokenize_rows,
 )
 from laminar_core.tasks.datasets import DataError, DataReport, read_jsonl, read_parquet
-from laminar_core.tasks.repeat import RepeatTask, repeat_reward
+from laminar_core.tasks.repeat import LongTailTask, RepeatTask, held_out, repeat_reward
 from laminar_core.tasks.rewards import RewardError, contains, exact_match, wrap_reward
 
 __all__ = [
     "DataError",
     "DataReport",
+    "LongTailTask",
     "RepeatTask",
     "RewardError",
     "build_prompts",
     "build_reward",
     "contains",
     "exact_match",
+    "held_out",
     "make_task",
     "read_jsonl",
     "read_parquet",
