@@ -21,6 +21,9 @@ class RunConfig:
     out_dir: str = "runs"
     checkpoint_every: int = 0  # steps between checkpoints; 0: only at the end; -1: never
     resume: str = ""  # a run directory (or one of its checkpoints) to continue from
+    # Held-out eval rounds (data.eval_*): after every eval_every steps and after the last;
+    # 0: none; -1: only after the last step.
+    eval_every: int = 0
 
 
 @dataclass
@@ -47,6 +50,19 @@ class DataConfig:
     prompt_key: str = "prompt"  # the column/key holding the prompt text
     task: str = "repeat"
     task_options: dict[str, Any] = field(default_factory=dict)
+    # The held-out eval set (run.eval_every; laminar_core.loop.evaluation), never trained
+    # on: ``eval_size`` distinct prompts of ``eval_source`` ("": the training source drawn
+    # with ``eval_seed`` -- None: the training seed + 1 -- a task built with task_options,
+    # seed=eval_seed and ``eval_task_options``; jsonl/parquet: ``eval_path``). Candidates
+    # that are also training prompts are skipped. Greedy at eval_temperature 0;
+    # eval_max_tokens 0: rollout.max_tokens.
+    eval_size: int = 32
+    eval_source: str = ""
+    eval_path: str = ""
+    eval_seed: int | None = None
+    eval_task_options: dict[str, Any] = field(default_factory=dict)
+    eval_temperature: float = 0.0
+    eval_max_tokens: int = 0
 
 
 @dataclass

@@ -15,6 +15,7 @@ from typing import Any
 
 from laminar_core.buffers import ExperienceBuffer
 from laminar_core.loop import checkpoint as ckpt
+from laminar_core.loop.evaluation import Evaluation
 from laminar_core.loop.manager import RolloutManager
 from laminar_core.loop.trainer_group import TrainerGroup
 from laminar_core.relay.tier import RelayTier
@@ -35,6 +36,8 @@ class StepRecord:
     stall: float
     metrics: dict[str, float] = field(default_factory=dict)
     reward_mean: float | None = None
+    eval_reward: float | None = None  # the eval round after this step, if one ran
+    eval_seconds: float = 0.0  # its wall time (not loop time: see ``Controller._evaluate``)
 
 
 class Controller:
@@ -69,6 +72,9 @@ class Controller:
         self.checkpoint_every = checkpoint_every
         self.consumed_prompts: set[int] = set()  # prompt indices whose groups were trained on
         self._republish = False  # after a restore: replicas must get the restored weights
+        self.evaluation: Evaluation | None = None  # eval rounds (loop.evaluation), if any
+        self.eval_seconds = 0.0  # eval rounds' wall time so far, kept out of the loop clock
+        self._steps = 0  # the step count run() was asked to reach
 
     async def save_checkpoint(self) -> Path:
         """Trainer state on every rank, then the loop's state, then the ``latest`` marker."""
@@ -103,6 +109,7 @@ class Controller:
     async def run(self, steps: int) -> list[StepRecord]:
         """Train until ``steps`` steps are done (counting from ``self.step``)."""
         loop = asyncio.get_running_loop()
+        self._steps = steps
         await self.tier.open()
         if self._republish:
             await self.trainer.publish(self.step, self.tier)
@@ -177,8 +184,26 @@ class Controller:
         self.events.record(
             t2, "weight_push", "trainer", duration=pub.stall_seconds, version=version
         )
-        prev_end = self.records[-2].end if len(self.records) > 1 else self.t_start
-        self.metrics.write(self._row(rec, prev_end))
+        prev = self.records[-2] if len(self.records) > 1 else None
+        # the loop clock resumes where the previous step's eval round (if any) ended
+        prev_end = prev.end + prev.eval_seconds if prev is not None else self.t_start
+        row = self._row(rec, prev_end)
+        if self.evaluation is not None and self.evaluation.due(version, version >= self._steps):
+            row.update(await self._evaluate(rec))
+        self.metrics.write(row)
+
+    async def _evaluate(self, rec: StepRecord) -> dict[str, Any]:
+        """An eval round on the version this step published; its ``eval_*`` row keys.
+
+        The trainer waits (the round needs replicas on exactly this version) and the round's
+        wall time is taken out of the loop clock (``wall_seconds``, the next step's rates),
+        so a run's speed figures do not depend on how often it evaluates.
+        """
+        assert self.evaluation is not None
+        result = await self.evaluation.run(rec.version)
+        rec.eval_reward, rec.eval_seconds = result.reward, result.seconds
+        self.eval_seconds += result.seconds
+        return result.row()
 
     async def _sample(self, step: int) -> TrainBatch:
         """The next batch, unless the rollout manager breaks first (then raise)."""
@@ -200,7 +225,7 @@ class Controller:
         return {
             "step": rec.step,
             "weight_version": rec.version,
-            "wall_seconds": rec.end - self.t_start,
+            "wall_seconds": rec.end - self.t_start - self.eval_seconds,
             "reward_mean": rec.reward_mean,
             "trajectories": rec.trajectories,
             "tokens": rec.tokens,
