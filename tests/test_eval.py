@@ -78,6 +78,7 @@ def test_rounds_run_on_the_current_version_and_are_never_trained_on(small_overri
 
 def test_a_replica_failure_mid_round_does_not_lose_the_round(small_overrides):
     killed: list[str] = []
+    killers: set[asyncio.Future] = set()
 
     def hook(run: Run, ev: Evaluation) -> None:
         inner = ev.run
@@ -91,7 +92,7 @@ def test_a_replica_failure_mid_round_does_not_lose_the_round(small_overrides):
                 busy[0].engine.kill()
 
             if version == 2:
-                asyncio.ensure_future(killer())
+                killers.add(asyncio.ensure_future(killer()))
             return await inner(version)
 
         ev.run = run_and_kill
