@@ -177,3 +177,15 @@ def test_no_eval_rounds_unless_asked(small_overrides):
         return attach_evaluation(run)
 
     assert run_virtual(main()) is None
+
+
+def test_sampled_rounds_seed_each_request_the_same_every_round():
+    from laminar_core.types import SamplingParams
+
+    prompts = [Prompt(ids=[1, 2], num_tokens=2, metadata={"prompt": f"p{i}"}) for i in range(3)]
+    sampled = Evaluation(None, prompts, SamplingParams(temperature=1.0, max_tokens=8), 1)
+    assert [r.sampling.seed for r in sampled._requests(3)] == [0, 1, 2]
+    assert [r.sampling.seed for r in sampled._requests(4)] == [0, 1, 2]
+    greedy = Evaluation(None, prompts, SamplingParams(temperature=0.0, max_tokens=8), 1)
+    assert {r.sampling.seed for r in greedy._requests(3)} == {None}
+    assert [r.traj_id for r in greedy._requests(3)] == ["eval3-0", "eval3-1", "eval3-2"]

@@ -51,11 +51,11 @@ class DataConfig:
     task: str = "repeat"
     task_options: dict[str, Any] = field(default_factory=dict)
     # The held-out eval set (run.eval_every; laminar_core.loop.evaluation), never trained
-    # on: ``eval_size`` distinct prompts of ``eval_source`` ("": the training source drawn
+    # on: the first ``eval_size`` rows of ``eval_source`` ("": the training source drawn
     # with ``eval_seed`` -- None: the training seed + 1 -- a task built with task_options,
-    # seed=eval_seed and ``eval_task_options``; jsonl/parquet: ``eval_path``). Candidates
-    # that are also training prompts are skipped. Greedy at eval_temperature 0;
-    # eval_max_tokens 0: rollout.max_tokens.
+    # seed=eval_seed and ``eval_task_options``; jsonl/parquet: ``eval_path``) that are not
+    # training prompts. Greedy at eval_temperature 0; sampled above it (request i seeded
+    # with i every round); eval_max_tokens 0: rollout.max_tokens.
     eval_size: int = 32
     eval_source: str = ""
     eval_path: str = ""

@@ -34,6 +34,12 @@ the set is never trained on; if more than 10% of the candidates are (the rest wo
 biased set, e.g. the prompts training happened not to draw from a small prompt space), or
 too few are left, that is a ``ConfigError`` naming the fix.
 
+Greedy (``data.eval_temperature: 0``, the default) scores the policy's most likely answer;
+sampled eval (``> 0``; request ``i`` is seeded with ``i`` in every round, so two rounds differ
+by their weights, not their draws) scores the policy as it is trained, which is what a
+task with a learned stopping point needs: a model that stops at the right place with
+probability 0.3 at each step there, and continues otherwise, never stops greedily.
+
 Simulated engines produce no text and the simulator has no reward: there the round runs
 (its requests take simulated time and go through the version pulls like real ones) and
 logs ``eval_seconds`` / ``eval_samples``, but no ``eval_reward``.
@@ -43,6 +49,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import inspect
 import logging
 from collections import deque
@@ -122,13 +129,17 @@ class Evaluation:
 
     def _requests(self, version: int) -> list[GenerationRequest]:
         group = f"eval{version}"
+        s = self.sampling
+        # sampled eval: request i is seeded with i in every round, so rounds differ by their
+        # weights, not by their draws (common random numbers)
+        seeded = s.temperature > 0 and s.seed is None
         return [
             GenerationRequest(
                 traj_id=f"{group}-{i}",
                 group_id=group,
                 prompt_ids=list(p.ids),
                 num_prompt_tokens=p.num_tokens or len(p.ids),
-                sampling=self.sampling,
+                sampling=dataclasses.replace(s, seed=i) if seeded else s,
                 # negative sample keys: disjoint from training samples' (a simulated
                 # replica draws a sample's length from its key)
                 metadata={**p.metadata, "sample_key": -(i + 1), "eval": True},
