@@ -12,6 +12,8 @@ and after the last. Arms, one after another, each in its own process (never conc
 
 - ``trl``: ``trl.GRPOTrainer`` on CPU, generation with transformers (``use_vllm=False``:
   what a CPU user gets), 2 torch threads (one process: it gets both cores);
+- ``trl_cb`` (not in the default list): the same with transformers' continuous-batching
+  generation (``use_transformers_continuous_batching``, TRL's non-vLLM alternative);
 - ``trl_async``: TRL's ``AsyncGRPOTrainer`` (``trl.experimental.async_grpo``) cannot run on
   a CPU: it is listed, not run (see ``TRL_ASYNC_ON_CPU`` for why);
 - ``sync``, ``one_step``, ``stale:4``: ``laminar train CONFIG schedule=...`` without repack
@@ -32,9 +34,12 @@ Per arm (and seed), from ``metrics.jsonl`` rows (the TRL arm writes the same row
 - ``final eval``: the last eval round's reward; ``trainer idle``: the share of loop time the
   trainer waited for data (TRL: generating, since it trains only after generating);
   ``repack moves`` / ``moved``: best_fit's moves and the trajectories they moved (from
-  ``events.jsonl``); ``log-prob gap``: mean / max |vLLM log-prob - trainer recompute| on
-  trajectories of the trainer's current version (FSDP's ``logprob_abs_diff_*``; TRL
-  generates and trains with one transformers model: no gap by construction);
+  ``events.jsonl``); ``log-prob gap``: mean |vLLM log-prob - trainer recompute| on
+  trajectories of the trainer's current version (FSDP's ``logprob_abs_diff_*``: engine
+  numerics only; none in steps where every trajectory is stale), and ``approx KL``: the
+  loss's KL estimate between the trainer and the rollout log-probs over every trained token
+  (numerics plus staleness); TRL generates and trains with one transformers model: no gap
+  by construction;
 - the step profile: median seconds per step of where the time goes (ours: waiting for data,
   training + weight push, of which the push stall; TRL: generating, training).
 
@@ -78,6 +83,7 @@ TRL_VERSION = "1.16.0"  # tested with transformers 5.19 / torch 2.13 (CPU)
 CONFIG = ROOT / "examples" / "longtail.yaml"
 WARMUP = 2  # steps left out of samples/s
 ARMS = ("trl", "trl_async", "sync", "one_step", "stale:4", "laminar", "laminar_norepack")
+OPTIONAL_ARMS = ("trl_cb",)  # TRL generating with transformers' continuous batching
 NOT_RUNNABLE = {"trl_async"}
 # Why TRL's AsyncGRPOTrainer (trl 1.16, trl/experimental/async_grpo) cannot run here: its
 # trainer always loads the model with attn_implementation="tree_fa3" (async_grpo_trainer.py,
@@ -261,6 +267,7 @@ def trl_worker(args: argparse.Namespace) -> None:
         top_p=cfg.rollout.top_p,
         top_k=0,
         use_vllm=False,
+        use_transformers_continuous_batching=args.cb,
         # optimiser = our trainer.fsdp settings
         learning_rate=fsdp.lr,
         lr_scheduler_type=fsdp.lr_schedule,
@@ -312,7 +319,7 @@ def _cmd(arm: str, seed: int, model_dir: Path, work: Path, a: argparse.Namespace
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
     name = f"{arm.replace(':', '')}-s{seed}"
     sets = [f"--set={s}" for s in a.set or []]
-    if arm == "trl":
+    if arm in ("trl", "trl_cb"):
         env.update(OMP_NUM_THREADS="2")
         cmd = [
             sys.executable,
@@ -323,10 +330,14 @@ def _cmd(arm: str, seed: int, model_dir: Path, work: Path, a: argparse.Namespace
             f"--out={work / name}",
             f"--max-steps={a.max_steps}",
             f"--seed={seed}",
+            *(["--cb"] if arm == "trl_cb" else []),
             *sets,
         ]
         return cmd, env, name
     env.update(OMP_NUM_THREADS="1")
+    # a cluster of its own: with no address, ray.init() joins one that another job on the
+    # machine started (and then refuses our num_cpus)
+    env.setdefault("RAY_ADDRESS", "local")
     cmd = [
         *_cli(),
         "train",
@@ -526,7 +537,7 @@ def summarise(res: dict, target: float) -> dict:
         "final_eval_reward": None,
         "repack_moves": None,
     }
-    if res["arm"] != "trl":
+    if not res["arm"].startswith("trl"):
         out["repack_moves"], out["repack_moved_trajectories"] = _repack(res["run_dir"])
     if not rows:
         return out
@@ -544,7 +555,7 @@ def summarise(res: dict, target: float) -> dict:
         waits = [r["wait_seconds"] for r in timed]
         stalls = [r.get("stall_seconds", 0.0) for r in timed]
         profile = {"step": _median(periods), "waiting_for_data": _median(waits)}
-        if res["arm"] == "trl":
+        if res["arm"].startswith("trl"):
             profile["generating"] = profile.pop("waiting_for_data")
             profile["training"] = _median([p - w for p, w in zip(periods, waits)])
         else:
@@ -565,6 +576,9 @@ def summarise(res: dict, target: float) -> dict:
             out["seconds_to_target"] = round(wall, 1)
             out["seconds_to_target_with_startup"] = round(startup + wall, 1)
             break
+    kls = [r["approx_kl"] for r in rows if "approx_kl" in r]
+    if kls:  # trainer vs rollout log-probs on every trained token, staleness included
+        out["approx_kl_mean"] = round(statistics.fmean(kls), 6)
     gaps = [r["logprob_abs_diff_mean"] for r in rows if "logprob_abs_diff_mean" in r]
     if gaps:
         out["logprob_gap_mean"] = round(statistics.fmean(gaps), 5)
@@ -605,6 +619,7 @@ def aggregate(arm: str, runs: list[dict]) -> dict:
         "repack_moves": mean("repack_moves"),
         "repack_moved_trajectories": mean("repack_moved_trajectories"),
         "logprob_gap_mean": mean("logprob_gap_mean"),
+        "approx_kl_mean": mean("approx_kl_mean"),
         "runs": runs,
     }
     if arm == "trl_async":
@@ -650,7 +665,9 @@ def report(arms: dict[str, dict], target: float) -> tuple[dict, dict]:
                         if s["repack_moved_trajectories"]
                         else ""
                     ),
-                    _fmt(s["logprob_gap_mean"], ".4f", "n/a"),
+                    _fmt(s["logprob_gap_mean"], ".4f", "n/a")
+                    + " / "
+                    + _fmt(s["approx_kl_mean"], ".4f", "n/a"),
                 ]
                 for s in ran
             ],
@@ -665,7 +682,7 @@ def report(arms: dict[str, dict], target: float) -> tuple[dict, dict]:
                 "final eval",
                 "trainer idle",
                 "repack moves / moved",
-                "log-prob gap",
+                "log-prob gap / approx KL",
             ],
         )
     )
@@ -749,13 +766,14 @@ def main() -> None:
     ap.add_argument("--out", help=argparse.SUPPRESS)
     ap.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--threads", type=int, default=2, help=argparse.SUPPRESS)
+    ap.add_argument("--cb", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.trl_worker:
         trl_worker(a)
         return
     arms = [x for x in a.arms.split(",") if x]
-    if unknown := set(arms) - set(ARMS):
-        sys.exit(f"--arms: unknown {sorted(unknown)}; known: {', '.join(ARMS)}")
+    if unknown := set(arms) - set(ARMS) - set(OPTIONAL_ARMS):
+        sys.exit(f"--arms: unknown {sorted(unknown)}; known: {', '.join(ARMS + OPTIONAL_ARMS)}")
     seeds = [int(s) for s in a.seeds.split(",") if s]
     a.config = str(Path(a.config).resolve())
     from laminar_core import ConfigError
@@ -768,7 +786,7 @@ def main() -> None:
         sys.exit(
             "the comparison is on eval_reward: the config needs run.eval_every (and data.eval_*)"
         )
-    if "trl" in arms:
+    if {"trl", "trl_cb"} & set(arms):
         try:
             import trl
         except ImportError:
