@@ -32,16 +32,30 @@ def test_longtail_target_lengths_are_long_tailed():
     assert row["answer"] == row["letter"] * row["count"] and row["task"] == "longtail"
 
 
-def test_held_out_pairs_never_reach_training_rows():
+def test_longtail_eval_split_holds_out_one_letter_per_count():
     train = LongTailTask(size=5000)
-    held = LongTailTask(size=500, seed=7, split="eval")
+    held = LongTailTask(size=2000, seed=7, split="eval")
     train_pairs = {(r["letter"], r["count"]) for r in train}
     held_pairs = {(r["letter"], r["count"]) for r in held}
     assert not train_pairs & held_pairs
-    assert all(held_out(letter, count, 0.1) for letter, count in held_pairs)
-    # about the held-out share of the pairs training can draw from: no seed in the split
-    assert 0.03 < len(held_pairs) / (len(train_pairs) + len(held_pairs)) < 0.3
+    # every count and every letter is trained on; each count has one held-out letter
+    counts = LongTailTask().options.counts
+    assert {c for _, c in train_pairs} == {c for _, c in held_pairs} == set(counts)
+    assert {letter for letter, _ in train_pairs} == set("abc")
+    assert len(held_pairs) == len(counts)
+    # and both splits have the same length distribution
+    t = sorted(r["count"] for r in train)
+    h = sorted(r["count"] for r in held)
+    assert _percentile(t, 0.5) == _percentile(h, 0.5)
     assert LongTailTask(seed=3)[5] == LongTailTask(seed=3)[5]
+
+
+def test_repeat_holdout_splits_pairs_by_a_seedless_hash():
+    train = RepeatTask(size=3000, holdout=0.2)
+    held = RepeatTask(size=300, seed=9, holdout=0.2, split="eval")
+    pairs = {(r["letter"], r["count"]) for r in held}
+    assert pairs and not pairs & {(r["letter"], r["count"]) for r in train}
+    assert all(held_out(letter, count, 0.2) for letter, count in pairs)
 
 
 def test_repeat_without_a_holdout_is_unchanged():
@@ -51,16 +65,17 @@ def test_repeat_without_a_holdout_is_unchanged():
 
 
 @pytest.mark.parametrize(
-    "options, words",
+    "task, options, words",
     [
-        ("{split: eval}", "holdout > 0"),
-        ("{holdout: 1.5}", "holdout must be in"),
-        ("{split: test}", "split must be"),
+        ("repeat", "{split: eval}", "holdout > 0"),
+        ("repeat", "{holdout: 1.5}", "holdout must be in"),
+        ("longtail", "{split: test}", "split must be"),
+        ("longtail", "{counts: [2, 4]}", "as long as each other"),
     ],
 )
-def test_bad_split_options_are_config_errors(options, words):
+def test_bad_task_options_are_config_errors(task, options, words):
     with pytest.raises(ConfigError, match=words):
-        load_config(None, ["data.source=task", "data.task=repeat", f"data.task_options={options}"])
+        load_config(None, ["data.source=task", f"data.task={task}", f"data.task_options={options}"])
 
 
 def test_small_preset_is_a_few_million_parameters_with_vllm_cpu_heads(tmp_path):

@@ -342,8 +342,9 @@ def build_eval_prompts(
         raise ConfigError(
             f"data.eval_*: {overlap} of the first {looked} rows of {where} are training "
             f"prompts ({len(out)} of data.eval_size={size} held out); hold prompts out of "
-            "training (the repeat tasks: data.task_options.holdout=0.1 and "
-            "data.eval_task_options.split=eval) or give data.eval_path a file of held-out "
+            "training (repeat: data.task_options.holdout=0.1 and "
+            "data.eval_task_options.split=eval; longtail: data.eval_task_options.split=eval) "
+            "or give data.eval_path a file of held-out "
             "prompts"
         )
     if overlap:

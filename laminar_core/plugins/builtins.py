@@ -48,7 +48,7 @@ def laminar_schedules() -> dict[str, object]:
 def laminar_tasks() -> dict[str, object]:
     return {
         "repeat": "laminar_core.tasks.repeat:RepeatTask",
-        "longtail": "laminar_core.tasks.repeat:LongTailTask",
+        "longtail": "laminar_core.tasks.longtail:LongTailTask",
     }
 
 

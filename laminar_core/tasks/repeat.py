@@ -17,9 +17,6 @@ evaluation, chosen by a hash of the pair alone (so every seed agrees on it). ``s
 rows never use a reserved pair and ``split="eval"`` rows only use reserved pairs (a row
 redraws until it fits its split), so a model evaluated on the eval split is tested on
 prompts it was never trained on -- counts it must generalise to, not recall.
-
-``longtail`` (:class:`LongTailTask`) is the same task with longer, heavier-tailed counts:
-the real-engine benchmark's workload (``examples/longtail.yaml``).
 """
 
 from __future__ import annotations
@@ -146,26 +143,3 @@ def repeat_reward(response: str, row: dict[str, Any]) -> float:
         return 1.0
     matches = sum(a == b for a, b in zip(response, target, strict=False))
     return matches / max(len(target), len(response))
-
-
-@dataclass(frozen=True)
-class LongTailOptions(RepeatOptions):
-    """``data.task_options`` of ``longtail``: :class:`RepeatOptions` with long-tail defaults.
-
-    Counts: median 16, p99/p50 10, capped at 256 (p99 ~ 160), so target responses run from
-    a few tokens to 257 (with the end-of-sequence token) and 10% of the pairs are held out
-    for eval (``data.eval_task_options: {split: eval}``).
-    """
-
-    max_count: int = 256
-    median_count: float = 16.0
-    p99_over_p50: float = 10.0
-    holdout: float = 0.1
-
-
-class LongTailTask(RepeatTask):
-    """``repeat`` with long-tailed counts up to 256 (:class:`LongTailOptions`): the
-    workload of ``examples/longtail.yaml`` and ``benchmarks/grpo_vs_trl.py``."""
-
-    name = "longtail"
-    Options = LongTailOptions
