@@ -121,19 +121,28 @@ def model_bytes(total: int) -> int:
 
 def model(total: int, version: int) -> list[tuple[str, torch.Tensor]]:
     per = model_bytes(total) // TENSORS // 2  # bf16 elements
-    return [(f"layer{i}.weight", torch.full((per,), float(version), dtype=torch.bfloat16))
-            for i in range(TENSORS)]
+    return [
+        (f"layer{i}.weight", torch.full((per,), float(version), dtype=torch.bfloat16))
+        for i in range(TENSORS)
+    ]
 
 
-async def broadcast(name: str, relays: int, total: int, chunks: int | None, stage: bool = True,
-                    slot_mb: float = 8.0) -> dict:
+async def broadcast(
+    name: str, relays: int, total: int, chunks: int | None, stage: bool = True, slot_mb: float = 8.0
+) -> dict:
     """Spawn ``relays`` relay processes, publish versions, measure the steady state;
     ``chunks=None``: k*. ``stage``: the staged push (``relay.stage_push``, the default)."""
     factory = transport_factory(name, slot_mb)
     env = {"OMP_NUM_THREADS": "1", **UCX_ENV}
     hosts = [RelayProcess(i, i, i + 1, factory, env=env) for i in range(relays)]
-    tier = RelayTier(hosts=hosts, trainer_transport=factory(), chunks=chunks or 0,
-                     calibrate=chunks is None, timeout_s=900, stage=stage)
+    tier = RelayTier(
+        hosts=hosts,
+        trainer_transport=factory(),
+        chunks=chunks or 0,
+        calibrate=chunks is None,
+        timeout_s=900,
+        stage=stage,
+    )
     try:
         await tier.open()
         link = tier.link or await tier.calibrate()
@@ -188,10 +197,17 @@ def main() -> None:
     say(f"(a) raw loopback bandwidth ({os.cpu_count()} cores)")
     sock = socket_gbps(min(total, 2 * GiB))
     mem = memcpy_gbps()
-    say(table([["TCP socket, 1 stream", f"{sock:.2f}"], ["memcpy (numpy)", f"{mem:.2f}"]],
-              ["medium", "GB/s"]))
-    out: dict = {"model_bytes": total, "link": {"socket_gbps": sock, "memcpy_gbps": mem},
-                 "transports": {}}
+    say(
+        table(
+            [["TCP socket, 1 stream", f"{sock:.2f}"], ["memcpy (numpy)", f"{mem:.2f}"]],
+            ["medium", "GB/s"],
+        )
+    )
+    out: dict = {
+        "model_bytes": total,
+        "link": {"socket_gbps": sock, "memcpy_gbps": mem},
+        "transports": {},
+    }
 
     rows, stall_rows = [], []
     for name in args.transports:
@@ -199,42 +215,93 @@ def main() -> None:
         for p in args.relays:
             r = asyncio.run(broadcast(name, p, total, None, slot_mb=args.slot_mb))
             gbps = r["bytes"] / r["seconds"] / 1e9
-            say(f"  ... {name}, {p} relays: {r['seconds']:.2f} s, stall "
-                f"{r['trainer_stall_seconds']:.3f} s, master holds {r['master_seconds']:.3f} s")
+            say(
+                f"  ... {name}, {p} relays: {r['seconds']:.2f} s, stall "
+                f"{r['trainer_stall_seconds']:.3f} s, master holds {r['master_seconds']:.3f} s"
+            )
             r["fraction_of_link"] = gbps / sock
             # every one of the p hops (trainer -> master included) moved the model
             r["aggregate_fraction"] = p * gbps / sock
             out["transports"][name][str(p)] = r
-            rows.append([name, str(p), str(r["chunks"]), f"{r['seconds']:.2f}",
-                         f"{r['first_version_seconds']:.2f}", f"{r['predicted_seconds']:.2f}",
-                         f"{gbps:.2f}", f"{r['fraction_of_link']:.2f}",
-                         f"{r['aggregate_fraction']:.2f}"])
+            rows.append(
+                [
+                    name,
+                    str(p),
+                    str(r["chunks"]),
+                    f"{r['seconds']:.2f}",
+                    f"{r['first_version_seconds']:.2f}",
+                    f"{r['predicted_seconds']:.2f}",
+                    f"{gbps:.2f}",
+                    f"{r['fraction_of_link']:.2f}",
+                    f"{r['aggregate_fraction']:.2f}",
+                ]
+            )
         first = out["transports"][name][str(args.relays[0])]
         for p in args.relays:
             r = out["transports"][name][str(p)]
             stall, master = r["trainer_stall_seconds"], r["master_seconds"] or float("nan")
-            stall_rows.append([name, str(p), f"{stall:.3f}",
-                               f"{stall / first['trainer_stall_seconds']:.2f}x",
-                               f"{master:.3f}", f"{master / first['master_seconds']:.2f}x"])
-    say(f"\n(b) chain broadcast of {total / GiB:.2f} GiB (steady state: median of versions 3-5; "
-        "'first s': version 1), chunks from k* with the measured link")
-    say(table(rows, ["transport", "relays", "k", "seconds", "first s", "model s", "GB/s",
-                     "fraction_of_link", "aggregate_fraction"]))
+            stall_rows.append(
+                [
+                    name,
+                    str(p),
+                    f"{stall:.3f}",
+                    f"{stall / first['trainer_stall_seconds']:.2f}x",
+                    f"{master:.3f}",
+                    f"{master / first['master_seconds']:.2f}x",
+                ]
+            )
+    say(
+        f"\n(b) chain broadcast of {total / GiB:.2f} GiB (steady state: median of versions 3-5; "
+        "'first s': version 1), chunks from k* with the measured link"
+    )
+    say(
+        table(
+            rows,
+            [
+                "transport",
+                "relays",
+                "k",
+                "seconds",
+                "first s",
+                "model s",
+                "GB/s",
+                "fraction_of_link",
+                "aggregate_fraction",
+            ],
+        )
+    )
     base = args.relays[0]
-    say("\n(c) trainer stall: staged push (the default; until the version is copied to host "
-        "memory and the trainer may resume) and until the master relay holds it")
-    say(table(stall_rows, ["transport", "relays", "stall s", f"vs {base}", "master holds s",
-                           f"vs {base}"]))
+    say(
+        "\n(c) trainer stall: staged push (the default; until the version is copied to host "
+        "memory and the trainer may resume) and until the master relay holds it"
+    )
+    say(
+        table(
+            stall_rows,
+            ["transport", "relays", "stall s", f"vs {base}", "master holds s", f"vs {base}"],
+        )
+    )
 
     name, p = args.transports[0], args.pipeline_relays
     say(f"\n(d) pipelined vs unchunked: {name}, {p} relays, streamed push (no staging copy)")
     prow, pipe = [], []
     for chunks in (1, None):
         r = asyncio.run(broadcast(name, p, total, chunks, stage=False))
-        pipe.append({"chunks": r["chunks"], "measured_seconds": r["seconds"],
-                     "predicted_seconds": r["predicted_seconds"]})
-        prow.append(["unchunked" if chunks == 1 else "k* (model)", str(r["chunks"]),
-                     f"{r['predicted_seconds']:.2f}", f"{r['seconds']:.2f}"])
+        pipe.append(
+            {
+                "chunks": r["chunks"],
+                "measured_seconds": r["seconds"],
+                "predicted_seconds": r["predicted_seconds"],
+            }
+        )
+        prow.append(
+            [
+                "unchunked" if chunks == 1 else "k* (model)",
+                str(r["chunks"]),
+                f"{r['predicted_seconds']:.2f}",
+                f"{r['seconds']:.2f}",
+            ]
+        )
     say(table(prow, ["mode", "k", "predicted s", "measured s"]))
     out["pipeline"] = {"transport": name, "relays": p, "rows": pipe}
     if args.json:

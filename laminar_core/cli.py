@@ -69,10 +69,18 @@ def _parser() -> argparse.ArgumentParser:
     )
     tiny.add_argument("out_dir", help="directory to write (Hugging Face format)")
     tiny.add_argument("--seed", type=int, default=0)
-    tiny.add_argument("--hidden-size", type=int, default=128)
-    tiny.add_argument("--layers", type=int, default=2)
-    tiny.add_argument("--heads", type=int, default=2, help="head dim = hidden / heads (64 or 32)")
-    tiny.add_argument("--kv-heads", type=int, default=1)
+    tiny.add_argument(
+        "--preset",
+        default="tiny",
+        help="sizes: tiny (0.3M parameters, the quickstart) or small (3.2M, the long-tail "
+        "workload); the size flags below override the preset's",
+    )
+    tiny.add_argument("--hidden-size", type=int, default=None)
+    tiny.add_argument("--layers", type=int, default=None)
+    tiny.add_argument(
+        "--heads", type=int, default=None, help="head dim = hidden / heads (64 or 32)"
+    )
+    tiny.add_argument("--kv-heads", type=int, default=None)
     tiny.add_argument("--intermediate-size", type=int, default=None)
     return p
 
@@ -84,6 +92,7 @@ def _tiny_model(args: argparse.Namespace) -> int:
         out = build_tiny_model(
             args.out_dir,
             seed=args.seed,
+            preset=args.preset,
             hidden_size=args.hidden_size,
             layers=args.layers,
             heads=args.heads,

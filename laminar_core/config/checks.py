@@ -170,7 +170,38 @@ def _data_reward(cfg: LaminarConfig) -> None:
         raise ConfigError(
             f"data.source={d.source} needs a file: set data.path=/path/to/data.{d.source}"
         )
+    _eval(cfg)
     if not r.timeout_s > 0:
         raise ConfigError(f"reward.timeout_s must be > 0 (got {r.timeout_s})")
     if r.workers < 1:
         raise ConfigError(f"reward.workers must be >= 1 (got {r.workers})")
+
+
+def _eval(cfg: LaminarConfig) -> None:
+    """``run.eval_every`` and ``data.eval_*`` (the held-out eval rounds)."""
+    d = cfg.data
+    if cfg.run.eval_every < -1:
+        raise ConfigError(
+            f"run.eval_every must be >= -1 (got {cfg.run.eval_every}): N > 0 evaluates after "
+            "every N steps and the last, -1 after the last only, 0 never"
+        )
+    for key, value, low in [
+        ("data.eval_size", d.eval_size, 1),
+        ("data.eval_max_tokens", d.eval_max_tokens, 0),
+    ]:
+        if value < low:
+            raise ConfigError(f"{key} must be >= {low} (got {value})")
+    if d.eval_temperature < 0:
+        raise ConfigError(
+            f"data.eval_temperature must be >= 0 (got {d.eval_temperature}; 0 is greedy)"
+        )
+    if d.eval_source and d.eval_source not in DATA_SOURCES:
+        raise ConfigError(
+            f"data.eval_source: unknown '{d.eval_source}'; known: {', '.join(DATA_SOURCES)} "
+            f"(empty: data.source){close_match(d.eval_source, DATA_SOURCES)}"
+        )
+    if d.eval_source in ("jsonl", "parquet") and not d.eval_path:
+        raise ConfigError(
+            f"data.eval_source={d.eval_source} needs a file of held-out prompts: set "
+            f"data.eval_path=/path/to/eval.{d.eval_source}"
+        )

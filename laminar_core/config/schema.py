@@ -25,6 +25,9 @@ class RunConfig:
     # stop with an error once every trajectory of this many consecutive steps failed (nothing
     # trains: e.g. every reward raises); 0: never
     max_failed_steps: int = 3
+    # Held-out eval rounds (data.eval_*): after every eval_every steps and after the last;
+    # 0: none; -1: only after the last step.
+    eval_every: int = 0
 
 
 @dataclass
@@ -51,6 +54,19 @@ class DataConfig:
     prompt_key: str = "prompt"  # the column/key holding the prompt text
     task: str = "repeat"
     task_options: dict[str, Any] = field(default_factory=dict)
+    # The held-out eval set (run.eval_every; laminar_core.loop.evaluation), never trained
+    # on: the first ``eval_size`` rows of ``eval_source`` ("": the training source drawn
+    # with ``eval_seed`` -- None: the training seed + 1 -- a task built with task_options,
+    # seed=eval_seed and ``eval_task_options``; jsonl/parquet: ``eval_path``) that are not
+    # training prompts. Greedy at eval_temperature 0; sampled above it (request i seeded
+    # with i every round); eval_max_tokens 0: rollout.max_tokens.
+    eval_size: int = 32
+    eval_source: str = ""
+    eval_path: str = ""
+    eval_seed: int | None = None
+    eval_task_options: dict[str, Any] = field(default_factory=dict)
+    eval_temperature: float = 0.0
+    eval_max_tokens: int = 0
 
 
 @dataclass
@@ -260,7 +276,6 @@ class EnvConfig:
     parser: str = "code"
     parser_options: dict[str, Any] = field(default_factory=dict)
     options: dict[str, Any] = field(default_factory=dict)
-
 
 
 @dataclass

@@ -30,6 +30,7 @@ from typing import Any
 from laminar_core.buffers import ExperienceBuffer
 from laminar_core.interfaces import TrainerFailure
 from laminar_core.loop import checkpoint as ckpt
+from laminar_core.loop.evaluation import Evaluation
 from laminar_core.loop.manager import RolloutManager
 from laminar_core.loop.trainer_group import TrainerGroup
 from laminar_core.relay.protocol import RelayUnavailable
@@ -70,6 +71,8 @@ class StepRecord:
     metrics: dict[str, float] = field(default_factory=dict)
     reward_mean: float | None = None
     rollout: dict[str, float] = field(default_factory=dict)  # e.g. tool calls (multi-turn)
+    eval_reward: float | None = None  # the eval round after this step, if one ran
+    eval_seconds: float = 0.0  # its wall time (not loop time: see ``Controller._evaluate``)
 
 
 def tool_metrics(trajs: list[Any]) -> dict[str, float]:
@@ -137,6 +140,9 @@ class Controller:
         self._unavailable_why = ""
         self._failed: list[list[Trajectory]] = []  # trailing steps whose every trajectory failed
         self._stop = asyncio.Event()
+        self.evaluation: Evaluation | None = None  # eval rounds (loop.evaluation), if any
+        self.eval_seconds = 0.0  # eval rounds' wall time so far, kept out of the loop clock
+        self._steps = 0  # the step count run() was asked to reach
 
     # --- checkpoints ---------------------------------------------------------------------------
 
@@ -197,6 +203,7 @@ class Controller:
         requested (``request_stop``: SIGTERM, Ctrl-C); a stopped run saves a checkpoint
         first (``run.checkpoint_on_stop``)."""
         loop = asyncio.get_running_loop()
+        self._steps = steps
         await self.tier.open()
         if self._republish:
             await self.trainer.publish(self.version, self.tier)
@@ -283,9 +290,27 @@ class Controller:
         self.events.record(
             t2, "weight_push", "trainer", duration=pub.stall_seconds, version=version
         )
-        prev_end = self.records[-2].end if len(self.records) > 1 else self.t_start
-        self.metrics.write(self._row(rec, prev_end))
+        prev = self.records[-2] if len(self.records) > 1 else None
+        # the loop clock resumes where the previous step's eval round (if any) ended
+        prev_end = prev.end + prev.eval_seconds if prev is not None else self.t_start
+        row = self._row(rec, prev_end)
+        if self.evaluation is not None and self.evaluation.due(self.step, self.step >= self._steps):
+            row.update(await self._evaluate(rec))
+        self.metrics.write(row)
         return True
+
+    async def _evaluate(self, rec: StepRecord) -> dict[str, Any]:
+        """An eval round on the version this step published; its ``eval_*`` row keys.
+
+        The trainer waits (the round needs replicas on exactly this version) and the round's
+        wall time is taken out of the loop clock (``wall_seconds``, the next step's rates),
+        so a run's speed figures do not depend on how often it evaluates.
+        """
+        assert self.evaluation is not None
+        result = await self.evaluation.run(rec.version)
+        rec.eval_reward, rec.eval_seconds = result.reward, result.seconds
+        self.eval_seconds += result.seconds
+        return result.row()
 
     def _check_failures(self, trajs: list[Trajectory]) -> None:
         """Count the trailing steps whose every trajectory failed; raise at the limit."""
@@ -487,7 +512,7 @@ class Controller:
         return {
             "step": rec.step,
             "weight_version": rec.version,
-            "wall_seconds": rec.end - self.t_start,
+            "wall_seconds": rec.end - self.t_start - self.eval_seconds,
             "reward_mean": rec.reward_mean,
             "trajectories": rec.trajectories,
             "tokens": rec.tokens,

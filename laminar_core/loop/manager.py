@@ -169,6 +169,7 @@ class RolloutManager:
         self._repack_now = asyncio.Event()
         self._finished = asyncio.Event()  # set whenever a trajectory finished
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._held = 0  # hold_admission() calls not yet released (eval rounds)
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
@@ -264,6 +265,20 @@ class RolloutManager:
         self._repack_now.set()
         self._kick()
 
+    def hold_admission(self) -> None:
+        """Admit no new groups until :meth:`release_admission` (an eval round runs): work
+        in flight goes on, orphans are still placed. Calls nest."""
+        self._held += 1
+
+    def release_admission(self) -> None:
+        self._held -= 1
+        self._kick()
+
+    def fail_replica(self, slot: ReplicaSlot, reason: str) -> None:
+        """A caller outside the manager (an eval round) saw ``slot``'s engine fail: fail it
+        here as if the manager had (its trajectories are redirected)."""
+        self._replica_failed(slot, reason)
+
     # -- dispatch ----------------------------------------------------------------------------
     def _kick(self) -> None:
         if not self._kicked and not self._stopping and self._loop is not None:
@@ -304,7 +319,7 @@ class RolloutManager:
             self._launch(slot, item, resume)
         samples = self.prompts.samples
         adm = self.admission
-        while adm.open():
+        while not self._held and adm.open():
             tag = adm.next_tag
             need = adm.min_version(tag)
             if need is None:

@@ -12,6 +12,11 @@
   something (vLLM samples from the full, padded vocabulary). It is built exactly like Qwen2's
   own tokenizer, because transformers rebuilds any ``model_type: qwen2`` tokenizer that way.
 
+Sizes come in presets (:data:`PRESETS`, ``laminar tiny-model DIR --preset NAME``): ``tiny``
+(0.3M parameters: the quickstart, the tests) and ``small`` (3.2M: big enough that compute,
+not per-call overhead, dominates a step on a CPU; the long-tail workload's model,
+``examples/longtail.yaml``). Explicit sizes override the preset's.
+
 transformers, tokenizers and safetensors are imported lazily: core does not depend on them.
 """
 
@@ -53,6 +58,19 @@ def char_vocab() -> list[str]:
     return [*SPECIAL_TOKENS, *(table[ord(c)] for c in ALPHABET)]
 
 
+# name -> sizes (hidden_size / heads = head dim: 64 for both, what vLLM's CPU attention takes)
+PRESETS: dict[str, dict[str, int]] = {
+    "tiny": {"hidden_size": 128, "layers": 2, "heads": 2, "kv_heads": 1},  # 0.3M
+    "small": {  # 3.2M
+        "hidden_size": 256,
+        "layers": 4,
+        "heads": 4,
+        "kv_heads": 2,
+        "intermediate_size": 768,
+    },
+}
+
+
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
@@ -88,23 +106,33 @@ def build_tiny_model(
     out_dir: str | Path,
     *,
     seed: int = 0,
-    hidden_size: int = 128,
-    layers: int = 2,
-    heads: int = 2,
-    kv_heads: int = 1,
+    preset: str = "tiny",
+    hidden_size: int | None = None,
+    layers: int | None = None,
+    heads: int | None = None,
+    kv_heads: int | None = None,
     intermediate_size: int | None = None,
     max_position_embeddings: int = 2048,
     initializer_range: float = 0.02,
 ) -> Path:
     """Write a randomly initialised (seeded) Qwen2-style model + char tokenizer to ``out_dir``.
 
-    ``hidden_size / heads`` is the head dim; keep it 64 or 32 (what vLLM's CPU attention
-    supports). ``intermediate_size`` defaults to ``2 * hidden_size``. The same arguments give
+    Sizes are ``preset``'s (:data:`PRESETS`) unless given. ``hidden_size / heads`` is the
+    head dim; keep it 64 or 32 (what vLLM's CPU attention supports). ``intermediate_size``
+    defaults to the preset's, else ``2 * hidden_size``. The same arguments give
     byte-identical weights. Returns ``out_dir`` as a ``Path``.
 
-    Raises ``ValueError`` for inconsistent sizes, ``ImportError`` naming the package to
-    install when transformers/tokenizers/safetensors are missing.
+    Raises ``ValueError`` for an unknown preset or inconsistent sizes, ``ImportError``
+    naming the package to install when transformers/tokenizers/safetensors are missing.
     """
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; known: {', '.join(PRESETS)}")
+    size = PRESETS[preset]
+    hidden_size = hidden_size or size["hidden_size"]
+    layers = layers or size["layers"]
+    heads = heads or size["heads"]
+    kv_heads = kv_heads or size["kv_heads"]
+    intermediate_size = intermediate_size or size.get("intermediate_size")
     if hidden_size % heads:
         raise ValueError(f"hidden_size ({hidden_size}) must be a multiple of heads ({heads})")
     if heads % kv_heads:

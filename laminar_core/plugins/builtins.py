@@ -46,7 +46,10 @@ def laminar_schedules() -> dict[str, object]:
 
 @hookimpl
 def laminar_tasks() -> dict[str, object]:
-    return {"repeat": "laminar_core.tasks.repeat:RepeatTask"}
+    return {
+        "repeat": "laminar_core.tasks.repeat:RepeatTask",
+        "longtail": "laminar_core.tasks.longtail:LongTailTask",
+    }
 
 
 @hookimpl

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from laminar_core.config.loader import ResolvedConfig
 from laminar_core.loop.controller import install_stop_handlers
+from laminar_core.loop.evaluation import attach_evaluation
 from laminar_core.models import model_dir
 from laminar_core.runtime.local import LocalRuntime
 from laminar_core.runtime.run import Run, Runtime
@@ -85,6 +86,7 @@ async def start_run(resolved: ResolvedConfig, run_dir: Path | None) -> Run:
             if wandb_enabled(cfg.telemetry.wandb):
                 config = resolved.to_dict()
                 metrics.add_sink(WandbSink(cfg.telemetry.wandb, run_dir, config=config))
+        attach_evaluation(run)  # run.eval_every: held-out eval rounds
         if cfg.run.resume:
             where = await run.controller.restore(cfg.run.resume)
             print(f"resumed from {where} at step {run.controller.step}", flush=True)
@@ -165,7 +167,15 @@ def _process_age() -> float:
 
 
 def _summary(records: list) -> str:
-    """One line: how the reward moved over the run (first vs last few steps)."""
+    """One line: how the reward moved over the run: the held-out eval reward (first vs
+    last round) when the run evaluated, else the training batches' (first vs last steps)."""
+    evals = [(r.step, r.eval_reward) for r in records if r.eval_reward is not None]
+    if evals:
+        (s0, e0), (s1, e1) = evals[0], evals[-1]
+        return (
+            f"{len(records)} steps; eval_reward {e0:.3f} (after step {s0}) -> {e1:.3f} "
+            f"(after step {s1}, held-out prompts)"
+        )
     rewards = [r.reward_mean for r in records if r.reward_mean is not None]
     if not rewards:
         return f"{len(records)} steps"
@@ -182,6 +192,11 @@ def _print_progress(row: dict) -> None:
         f"reward {'-' if reward is None else f'{reward:.3f}'}  "
         f"{row['samples_per_second']:.1f} samples/s  {row['tokens_per_second']:.0f} tok/s  "
         f"staleness max {row['staleness_max']}  replicas [{versions}]  "
-        f"{row['wall_seconds']:.0f}s",
+        f"{row['wall_seconds']:.0f}s"
+        + (
+            f"  eval_reward {row['eval_reward']:.3f} ({row['eval_seconds']:.1f}s)"
+            if row.get("eval_reward") is not None
+            else ""
+        ),
         flush=True,
     )

@@ -3,7 +3,7 @@
 Entry points for a runtime: :func:`build_prompts` (``data.*`` -> prompts + a report of what
 was skipped) and :func:`build_reward` (``reward.*`` -> the async reward the manager awaits).
 Tasks and rewards are plugins (kinds ``task`` and ``reward``); core ships the procedural
-``repeat`` task and the ``repeat``, ``exact_match`` and ``contains`` rewards.
+``repeat`` and ``longtail`` tasks and the ``repeat``, ``exact_match`` and ``contains`` rewards.
 """
 
 from laminar_core.tasks.build import (
@@ -14,18 +14,21 @@ from laminar_core.tasks.build import (
     tokenize_rows,
 )
 from laminar_core.tasks.datasets import DataError, DataReport, read_jsonl, read_parquet
-from laminar_core.tasks.repeat import RepeatTask, repeat_reward
+from laminar_core.tasks.longtail import LongTailTask
+from laminar_core.tasks.repeat import RepeatTask, held_out, repeat_reward
 from laminar_core.tasks.rewards import RewardError, contains, exact_match, wrap_reward
 
 __all__ = [
     "DataError",
     "DataReport",
+    "LongTailTask",
     "RepeatTask",
     "RewardError",
     "build_prompts",
     "build_reward",
     "contains",
     "exact_match",
+    "held_out",
     "make_task",
     "read_jsonl",
     "read_parquet",

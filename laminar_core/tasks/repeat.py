@@ -11,10 +11,17 @@ rises within a few dozen GRPO steps on a laptop CPU; getting the count right (st
 right time) takes longer, so the curve keeps rising instead of saturating at once.
 
 Rows are a pure function of ``(seed, index)``: the same options give the same dataset.
+
+Held-out prompts: ``holdout`` reserves that share of the ``(letter, count)`` pairs for
+evaluation, chosen by a hash of the pair alone (so every seed agrees on it). ``split="train"``
+rows never use a reserved pair and ``split="eval"`` rows only use reserved pairs (a row
+redraws until it fits its split), so a model evaluated on the eval split is tested on
+prompts it was never trained on -- counts it must generalise to, not recall.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 import random
 import string
@@ -38,6 +45,8 @@ class RepeatOptions:
     max_count: int = 48
     median_count: float = 6.0
     p99_over_p50: float = 8.0
+    holdout: float = 0.0  # share of (letter, count) pairs reserved for eval
+    split: str = "train"  # train: never a reserved pair; eval: only reserved pairs
 
     def __post_init__(self) -> None:
         if self.size < 1:
@@ -53,6 +62,24 @@ class RepeatOptions:
                 f"need median_count > 0 and p99_over_p50 >= 1 "
                 f"(got {self.median_count}, {self.p99_over_p50})"
             )
+        if not 0.0 <= self.holdout < 1.0:
+            raise ValueError(f"holdout must be in [0, 1) (got {self.holdout})")
+        if self.split not in ("train", "eval"):
+            raise ValueError(f"split must be 'train' or 'eval' (got {self.split!r})")
+        if self.split == "eval" and self.holdout == 0:
+            raise ValueError("split='eval' needs holdout > 0 (the share of pairs held out)")
+
+
+_MAX_REDRAWS = 100_000
+
+
+def held_out(letter: str, count: int, holdout: float) -> bool:
+    """Is the pair ``(letter, count)`` reserved for eval at share ``holdout``? A pure
+    function of its arguments (no seed), so training and eval rows agree on it."""
+    if holdout <= 0:
+        return False
+    h = hashlib.blake2b(f"{letter}*{count}".encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little") / 2.0**64 < holdout
 
 
 class RepeatTask(Sequence[dict[str, Any]]):
@@ -66,7 +93,7 @@ class RepeatTask(Sequence[dict[str, Any]]):
     Options = RepeatOptions  # validates data.task_options before the run starts
 
     def __init__(self, **options: Any) -> None:
-        self.options = RepeatOptions(**options)
+        self.options = self.Options(**options)
         # lognormal sigma such that p99 / p50 = exp(z_0.99 * sigma)
         self._sigma = math.log(self.options.p99_over_p50) / 2.3263478740408408
 
@@ -79,9 +106,18 @@ class RepeatTask(Sequence[dict[str, Any]]):
             raise IndexError(i)
         i %= o.size
         rng = random.Random(o.seed * 1_000_003 + i)
-        letter = rng.choice(o.letters)
-        raw = o.median_count * math.exp(rng.gauss(0.0, 1.0) * self._sigma)
-        count = min(o.max_count, max(o.min_count, round(raw)))
+        want = o.split == "eval"
+        for _ in range(_MAX_REDRAWS):
+            letter = rng.choice(o.letters)
+            raw = o.median_count * math.exp(rng.gauss(0.0, 1.0) * self._sigma)
+            count = min(o.max_count, max(o.min_count, round(raw)))
+            if held_out(letter, count, o.holdout) == want:
+                break
+        else:
+            raise ValueError(
+                f"{self.name}: no {o.split} pair in {_MAX_REDRAWS} draws at holdout="
+                f"{o.holdout}; raise holdout or widen letters / counts"
+            )
         return {
             "prompt": f"{letter}*{count}=",
             "answer": letter * count,

@@ -128,8 +128,10 @@ class NixlTransport(WeightTransport):
     # --- lifecycle ---------------------------------------------------------------------------
 
     async def open(self, role: str, rank: int, peers: dict[int, Any]) -> None:
-        for key, value in (("UCX_TLS", self.opt.ucx_tls), ("UCX_NET_DEVICES",
-                                                            self.opt.ucx_net_devices)):
+        for key, value in (
+            ("UCX_TLS", self.opt.ucx_tls),
+            ("UCX_NET_DEVICES", self.opt.ucx_net_devices),
+        ):
             if value:
                 os.environ[key] = value
         nixl_agent, nixl_agent_config = _import_nixl()

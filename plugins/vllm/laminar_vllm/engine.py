@@ -117,6 +117,8 @@ class VLLMRolloutEngine(RolloutEngine):
         self._live: dict[str, _Live] = {}
         self._ids = itertools.count()
         self._capacity_tokens = 0
+        self._block_size = 0  # KV-cache block, tokens (vLLM's CPU backend: 128)
+        self._num_blocks = 0
         self._sched = None  # last SchedulerStats vLLM reported (its own view of the queue)
         self._dead: str | None = None
 
@@ -161,7 +163,9 @@ class VLLMRolloutEngine(RolloutEngine):
                 "rollout.vllm.max_model_len."
             ) from e
         cache = self._llm.vllm_config.cache_config
-        self._capacity_tokens = int((cache.num_gpu_blocks or 0) * cache.block_size)
+        self._block_size = int(cache.block_size)
+        self._num_blocks = int(cache.num_gpu_blocks or 0)
+        self._capacity_tokens = self._num_blocks * self._block_size
 
     async def stop(self) -> None:
         llm, self._llm = self._llm, None
@@ -348,7 +352,25 @@ class VLLMRolloutEngine(RolloutEngine):
         # ModelOnly (a simulated trainer's version): nothing to load
         self.version = weights.version
 
+    def _blocks_in_use(self) -> int:
+        """KV blocks our in-flight requests hold, as vLLM allocates them (whole blocks of
+        ``block_size`` tokens per sequence: prompt + response so far)."""
+        b = self._block_size or 1
+        return sum(
+            -(-(len(v.request.prompt_ids) + len(v.tokens)) // b) for v in self._live.values()
+        )
+
     async def stats(self) -> EngineStats:
+        """Load for the rollout manager and repack (``RepackPolicy`` reads ``kv_use`` and
+        the manager's own running count).
+
+        ``kv_use`` is vLLM's own ``SchedulerStats.kv_cache_usage`` (blocks in use over the
+        cache's blocks, reported after every engine step): block-granular, so on the CPU
+        backend (128-token blocks) each running sequence holds at least one block and a
+        finished one frees its blocks at once -- which is what makes a replica's ramp-down
+        (``kv_use`` falling as its sequences finish) visible to repack. Before vLLM's first
+        report, and with nothing in flight, it is our count of the same blocks.
+        """
         self._check()
         # Our own record of in-flight requests is exact; vLLM's scheduler stats say how
         # those split into running and waiting, and how full the KV cache is.
@@ -357,9 +379,8 @@ class VLLMRolloutEngine(RolloutEngine):
         waiting = min(inflight, sched.num_waiting_reqs) if sched is not None else 0
         if inflight and sched is not None:
             kv_use = float(sched.kv_cache_usage)
-        else:
-            used = sum(len(v.request.prompt_ids) + len(v.tokens) for v in self._live.values())
-            kv_use = used / self._capacity_tokens if self._capacity_tokens else 0.0
+        else:  # the same unit as vLLM's: blocks, not tokens
+            kv_use = self._blocks_in_use() / self._num_blocks if self._num_blocks else 0.0
         return EngineStats(
             running=inflight - waiting,
             waiting=waiting,

