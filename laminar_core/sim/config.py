@@ -93,7 +93,9 @@ class SimTrainerConfig:
     with scale because the all-reduce does not shrink with more GPUs while the compute does,
     and pipeline efficiency because fewer micro-batches per pipeline leave a larger bubble.
 
-    ``kind: linear``: ``step_overhead_s + tokens * gpu_seconds_per_token / gpus**scaling_exponent``.
+    ``kind: linear`` (the default, for small and toy configs):
+    ``step_overhead_s + tokens * gpu_seconds_per_token / gpus**scaling_exponent``. The paper
+    setups (``examples/sim``) use ``flops``.
 
     Co-located ``sync`` (verl's hybrid engine) also pays the switch between rollout and
     training every step: ``switch_gib_per_gpu`` GiB per GPU (the rollout's weights offloaded
@@ -101,7 +103,7 @@ class SimTrainerConfig:
     ``switch: false`` turns it off (the baseline's best case).
     """
 
-    kind: str = "flops"
+    kind: str = "linear"
     # -- kind: flops --
     peak_tflops: float = 989.0  # dense BF16 per GPU (H100/H800 SXM)
     mfu: float = 0.35
