@@ -317,6 +317,10 @@ class SimRolloutEngine(RolloutEngine):
         """Bring ``P`` and the integrals up to the loop's current time."""
         now = asyncio.get_running_loop().time()
         dt = now - self._last
+        if self._step_end is None and self._running and not math.isinf(self._p):
+            a, b, e = self._rates()
+            if a <= 0 and b <= 0 and e <= 0:  # zero-latency decode: all running finish now
+                self._p = math.inf
         if dt > 0:
             n = len(self._running)
             admitted = n or self._prefill
