@@ -107,6 +107,7 @@ class _Req:
         "future",
         "heap_key",
         "kv_base",
+        "preempted",
         "prefill_left",
         "prefix",
         "remaining",
@@ -134,7 +135,8 @@ class _Req:
         self.target = target
         self.versions = versions
         self.future = future
-        self.resumed = request.resume is not None
+        self.resumed = request.resume is not None  # until its first new token here
+        self.preempted = False
         self.cache_key = (request.group_id, request.num_prompt_tokens)
         self.submit_time = now
         self.start_time = now
@@ -447,8 +449,9 @@ class SimRolloutEngine(RolloutEngine):
         self._running[req.request.traj_id] = req
         self._start_p_sum += start_p
         heapq.heappush(self._heap, (start_p + req.remaining, req.heap_key, req))
-        if req.resumed and req.prefix:
+        if req.resumed:  # a resume's first new token: the move (or redirect) is done
             self.resume_seconds += self._last - req.submit_time
+            req.resumed = False
 
     def _prompt_cost(self, req: _Req) -> tuple[int, bool]:
         """Prompt tokens ``req`` adds to the KV cache and prefill: 0 if its prompt is cached
@@ -483,7 +486,7 @@ class SimRolloutEngine(RolloutEngine):
             req.state = _PREFILL
             req.prefill_left = max(1, prefill)  # a fully cached prompt still computes one
             self._prefill_tokens += req.prefill_left
-            if req.resumed:
+            if req.resumed and not req.preempted:
                 self.resume_prefill_tokens += req.prefill_left
             self._prefill.append(req)
 
@@ -533,7 +536,7 @@ class SimRolloutEngine(RolloutEngine):
             victim = max(self._running.values(), key=lambda r: r.seq)
             produced = self._remove(victim)
             victim.set_prefix(produced)
-            victim.resumed = True  # its re-prefill counts like a resume's
+            victim.preempted = True
             self._waiting.appendleft(victim)
             self.preemptions += 1
 
