@@ -11,14 +11,31 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples" / "sim"
 
+# The Laminar paper's three setups at their largest scale (arXiv 2510.12633, §8).
+SETUPS = ["paper_7b_256gpu", "paper_32b_512gpu", "paper_72b_1024gpu"]
+SETUP_NAMES = {
+    "paper_7b_256gpu": "7B, 256 GPUs",
+    "paper_32b_512gpu": "32B, 512 GPUs",
+    "paper_72b_1024gpu": "72B, 1024 GPUs",
+}
+
 
 def table(rows: list[list[str]], header: list[str]) -> str:
+    """A Markdown table (readable in a terminal too)."""
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
-    out = ["  ".join(h.ljust(w) for h, w in zip(header, widths))]
-    out += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+
+    def line(cells: list[str]) -> str:
+        return "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"
+
+    out = [line(header), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
+    out += [line(r) for r in rows]
     return "\n".join(out)
 
 
 def say(*args: object) -> None:
     print(*args, flush=True)
     sys.stdout.flush()
+
+
+def ratio(a: float, b: float) -> float:
+    return a / b if b else float("nan")

@@ -98,7 +98,12 @@ def test_invariants(schedule: str, repack: str, small_overrides: list[str]) -> N
         assert all(t.versions == [t.version] for t in trajs)
     # versions advance: every replica ends on a version the trainer published
     assert {s.version for s in run.manager.slots} <= set(range(run.controller.step + 1))
-    assert max(s.version for s in run.manager.slots) >= run.controller.step - 1
+    if schedule == "laminar" and repack == "none":
+        # without repack a replica holding one long-tail trajectory drains it before it
+        # updates, and every replica can be draining when the run stops
+        assert max(s.version for s in run.manager.slots) >= 1
+    else:
+        assert max(s.version for s in run.manager.slots) >= run.controller.step - 1
     if rec is not None:
         for states, moves in rec.plans:
             version = {s.replica_id: s.version for s in states}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from collections import Counter
 from pathlib import Path
@@ -162,18 +163,35 @@ def test_above_roofline_step_time_grows_linearly() -> None:
     assert [t.num_response_tokens for t in trajs] == [100, 200, 300]
 
 
-def test_prefill_stalls_decoding() -> None:
+def test_prefill_is_chunked_into_decode_steps() -> None:
     eng = engine({1: 100, 2: 100}, prefill_s_per_token=1e-3)
     trajs = run_virtual(run_all(eng, [(0.0, req(1, prompt=0)), (0.5, req(2, prompt=200))]))
-    # request 2's prefill (200 * 1e-3 = 0.2 s) stalls request 1 at 0.5 .. 0.7
-    assert finish_times(trajs) == pytest.approx([1.2, 0.7 + 1.0], rel=1e-9)
+    # request 1: one step computes its one prefill token and samples its first token (0.01 s),
+    # then 99 decode steps. At 0.5 it has 50 tokens; request 2's 200-token prefill rides in
+    # one step with request 1's decode: max(d, (1 + 200) * 1e-3) = 0.201 s, which gives
+    # request 1 its 51st token and request 2 its first. Both then decode at d.
+    assert finish_times(trajs) == pytest.approx([0.701 + 49 * D, 0.701 + 99 * D], rel=1e-9)
     assert trajs[1].start_time == pytest.approx(0.5)
+    assert eng.prefill_tokens == 201
 
 
 def test_prefill_before_first_token() -> None:
     eng = engine({1: 100}, prefill_s_per_token=1e-3)
     (traj,) = run_virtual(run_all(eng, [(0.0, req(1, prompt=1000))]))
-    assert traj.finish_time == pytest.approx(1000 * 1e-3 + 100 * D, rel=1e-9)
+    # one step prefills the 1000 prompt tokens and samples the first token; 99 more follow
+    assert traj.finish_time == pytest.approx(1000 * 1e-3 + 99 * D, rel=1e-9)
+
+
+def test_prefill_larger_than_the_step_budget_takes_several_steps() -> None:
+    eng = engine({1: 10, 2: 10}, prefill_s_per_token=1e-4, max_num_batched_tokens=1000)
+    trajs = run_virtual(run_all(eng, [(0.0, req(1, prompt=0)), (0.005, req(2, prompt=2500))]))
+    # request 1's first step (1 prefill token): d = 0.01. Request 2 arrives during it and
+    # waits for the next step. Its 2500 tokens go in chunks of 1000 - 1 (request 1 decodes
+    # in each): three steps of max(d, 1000 * 1e-4) = 0.1 s, the last one carrying 502 tokens
+    # (max(d, 503 * 1e-4) = 0.0503 s) -> request 2's first token at 0.01 + 0.2 + 0.0503.
+    t2 = 0.01 + 0.1 + 0.1 + 0.0503
+    # request 1 made 1 + 3 tokens by then; its other 6 at d (alone with request 2: flat)
+    assert finish_times(trajs) == pytest.approx([t2 + 6 * D, t2 + 9 * D], rel=1e-9)
 
 
 def test_kv_capacity_makes_request_wait() -> None:
@@ -200,14 +218,49 @@ def test_kv_capacity_makes_request_wait() -> None:
 
 
 def test_kv_counts_generated_tokens() -> None:
-    # Same second request: at t=0 it fits (100 + 900 <= 1000); at t=0.5 the first has
-    # generated 50 tokens (150 + 900 > 1000), so it waits.
+    # Same second request: at t=0 it fits (100 + 860 <= 1000, and 20 more tokens still fit);
+    # at t=0.5 the first has generated 50 tokens (150 + 860 > 1000), so it waits.
     for arrive, waits in [(0.0, False), (0.5, True)]:
         eng = engine({1: 100, 2: 10}, kv_capacity_tokens=1000)
-        _, b = run_virtual(run_all(eng, [(0.0, req(1, prompt=100)), (arrive, req(2, prompt=900))]))
+        _, b = run_virtual(run_all(eng, [(0.0, req(1, prompt=100)), (arrive, req(2, prompt=860))]))
         expected_start = 1.0 if waits else arrive
         assert b.start_time == pytest.approx(expected_start)
         assert b.finish_time == pytest.approx(expected_start + 10 * D)
+        assert eng.preemptions == 0
+
+
+def test_kv_overflow_preempts_the_newest_request_and_recomputes_it() -> None:
+    # 100 + 895 fit at t=0, but two decoding requests overflow the cache by a token after 3
+    # steps (995 + 2 * 3): the newest (request 2, 3 tokens made) is preempted, waits for
+    # request 1 to finish (1.0 s), is prefilled again with its 3 tokens (free here) and
+    # makes the other 7.
+    eng = engine({1: 100, 2: 10}, kv_capacity_tokens=1000)
+    a, b = run_virtual(run_all(eng, [(0.0, req(1, prompt=100)), (0.0, req(2, prompt=895))]))
+    assert eng.preemptions == 1
+    assert a.finish_time == pytest.approx(1.0)
+    assert b.start_time == pytest.approx(0.0)  # first admitted at 0
+    assert b.finish_time == pytest.approx(1.0 + 7 * D)
+    assert b.num_response_tokens == 10 and eng.tokens_generated == 110
+
+
+def test_prefix_cache_shares_a_groups_prompt() -> None:
+    def group_req(key: int) -> GenerationRequest:
+        return dataclasses.replace(req(key, prompt=500), group_id="g1")
+
+    for caching, prefill in [(True, 500 + 1), (False, 2 * 500)]:
+        eng = engine({1: 10, 2: 10}, prefill_s_per_token=1e-4, prefix_caching=caching)
+
+        async def main(eng: SimRolloutEngine = eng):
+            await eng.start()
+            a = asyncio.ensure_future(eng.generate(group_req(1)))
+            b = asyncio.ensure_future(eng.generate(group_req(2)))
+            await at(0.001)
+            return await eng.stats(), await a, await b
+
+        stats, _, _ = run_virtual(main())
+        # one prefill step for both; the second sample's prompt is a cache hit (one token)
+        assert eng.prefill_tokens == prefill
+        assert stats.kv_use == pytest.approx((prefill if not caching else 500) / 1e6)
 
 
 def test_max_num_seqs_limits_running() -> None:
@@ -229,7 +282,7 @@ def test_abort_returns_partial_and_resume_finishes_at_same_length() -> None:
         await first.start()
         await second.start()
         pending = asyncio.ensure_future(first.generate(req(7, prompt=63)))
-        await at(0.063 + 0.375)  # 0.063 s prefill, then 37.5 decode steps
+        await at(0.063 + 0.365)  # 0.063 s prefill (and the first token), 36.5 decode steps
         (part,) = await first.abort(["t7"])
         aborted = await pending
         t_abort = now()
@@ -242,12 +295,14 @@ def test_abort_returns_partial_and_resume_finishes_at_same_length() -> None:
     assert part.versions == [0]
     assert aborted.finish_reason is FinishReason.ABORTED
     assert aborted.num_response_tokens == 37
-    # resumed: re-prefill of prompt + prefix (63 + 37 tokens), then the 63 missing tokens
+    # resumed: a step re-prefills prompt + prefix (63 + 37 tokens) and samples the first of
+    # the 63 missing tokens; 62 decode steps follow
     assert done.num_response_tokens == 100
     assert done.finish_reason is FinishReason.STOP
     assert done.versions == [0, 3]
     assert done.version == 0  # the oldest contributing version
-    assert done.finish_time == pytest.approx(t_abort + 100 * prefill + 63 * D, rel=1e-9)
+    assert done.finish_time == pytest.approx(t_abort + 100 * prefill + 62 * D, rel=1e-9)
+    assert second.resumes == 1 and second.resume_prefill_tokens == 100
     assert first.tokens_generated == 37 and second.tokens_generated == 63
 
 

@@ -10,7 +10,8 @@ from laminar_core.sim.study import simulate_schedule, sweep_points
 
 # One replica (2 of 3 GPUs; sync time-shares all with the trainer), 2 prompts x 2 samples,
 # every prompt 10 tokens and every response exactly 100 tokens; decode 0.01 s/step (batch 4 is
-# below the roofline batch), no prefill or load cost, training 1.0 s per step, free transfers.
+# below the roofline batch), no prefill or load cost, training 1.0 s per step (the linear
+# trainer model with no per-token cost, no co-location switch), free transfers.
 EXACT = [
     "run.steps=3",
     "study.warmup_steps=1",
@@ -30,8 +31,10 @@ EXACT = [
     "rollout.sim.weight_load_s=0",
     "rollout.sim.lengths.median=100",
     "rollout.sim.lengths.p99_over_p50=1.0",
+    "trainer.sim.kind=linear",
     "trainer.sim.gpu_seconds_per_token=0",
     "trainer.sim.step_overhead_s=1.0",
+    "trainer.sim.switch=false",
     "relay.sim.start_s=0",
     "relay.sim.link_gbps=1e15",
     "relay.sim.push_gbps=1e15",

@@ -175,7 +175,15 @@ class BufferConfig:
 
 @dataclass
 class StudyConfig:
+    """``laminar simulate``: which schedules to compare, and how (``sim.study``).
+
+    ``repack_schedules``: the schedules (by name, e.g. ``laminar``, or full spec, e.g.
+    ``stale:4+partial``) that run with ``repack.policy``; the others run without repack, as
+    the systems they reproduce do. ``warmup_steps``: steps left out of every figure.
+    """
+
     schedules: list[str] = field(default_factory=lambda: ["laminar", "sync", "one_step", "stale:2"])
+    repack_schedules: list[str] = field(default_factory=lambda: ["laminar"])
     warmup_steps: int = 2
     sweep: list[dict[str, Any]] = field(default_factory=list)  # override sets, one per point
 

@@ -50,6 +50,10 @@ class Admission(abc.ABC):
         """The oldest weight version a replica may hold to take a group for step ``tag``
         (``None``: any)."""
 
+    def room(self) -> float | None:
+        """Groups that may still be admitted before the rule closes (``None``: no bound)."""
+        return None
+
     def on_admitted(self) -> None:
         self.admitted += 1
 
@@ -87,6 +91,9 @@ class WindowAdmission(Admission):
 
     def open(self) -> bool:
         return self.outstanding < self.max_ahead_batches * self.groups_per_step
+
+    def room(self) -> float | None:
+        return max(0.0, self.max_ahead_batches * self.groups_per_step - self.outstanding)
 
     def min_version(self, tag: int) -> int | None:
         return None

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import inspect
 import logging
 from collections import deque
@@ -34,6 +35,7 @@ from laminar_core.interfaces import (
     WeightsRef,
 )
 from laminar_core.loop.episodes import EpisodeRestart, Episodes
+from laminar_core.loop.dispatch import Dispatch
 from laminar_core.loop.schedules import Schedule
 from laminar_core.relay.events import RelayEvent, RelayEvents
 from laminar_core.telemetry import EventLog
@@ -292,7 +294,8 @@ class RolloutManager:
 
     def _least_loaded(self, need: int, min_version: int = -(1 << 62)) -> ReplicaSlot | None:
         """The open replica with the fewest trajectories in flight that has room for ``need``
-        more and holds at least ``min_version`` (ties: lowest index, by dict order)."""
+        more and holds at least ``min_version`` (ties: lowest index, by dict order). Used for
+        orphans (a trajectory restarting from its prompt); groups go through ``dispatch``."""
         best, best_load, limit = None, 1 << 62, self.opt.max_concurrent - need
         for s in self._open.values():
             n = len(s.inflight)
@@ -300,15 +303,24 @@ class RolloutManager:
                 best, best_load = s, n
         return best
 
+    @functools.cached_property
+    def dispatch(self) -> Dispatch:
+        """The schedule's dispatch policy (``loop.dispatch``): which replica takes a group."""
+        return self.schedule.dispatcher(self.slots, self.admission, self.opt.max_concurrent)
+
     def _dispatch(self) -> None:
         """Admit groups (and orphans) while the schedule and replica capacity allow.
 
         The schedule's gate is checked before any scan of replicas: this runs after every
-        finished trajectory, so its common case (nothing to admit) must be O(1).
+        finished trajectory, so its common case (nothing to admit) must be O(1). Which replica
+        takes a group is the dispatch policy's choice (``loop.dispatch``).
         """
         self._kicked = False
         if self._stopping or not self._open:
             return
+        changed = self._newest_open is None  # the open set changed since the last call
+        if changed:
+            self._newest_open = max(s.version for s in self._open.values())
         while self._orphans:
             slot = self._least_loaded(1)
             if slot is None:
@@ -319,20 +331,17 @@ class RolloutManager:
             self._launch(slot, item, resume)
         samples = self.prompts.samples
         adm = self.admission
+        dispatch = self.dispatch
         while not self._held and adm.open():
             tag = adm.next_tag
             need = adm.min_version(tag)
-            if need is None:
-                slot = self._least_loaded(samples)
-            else:
-                if self._newest_open is None:
-                    self._newest_open = max(s.version for s in self._open.values())
-                if need > self._newest_open:  # no open replica is recent enough
-                    return
-                slot = self._least_loaded(samples, need)
+            if need is not None and need > self._newest_open:
+                return  # no open replica is recent enough
+            slot = dispatch.choose(self._open, samples, tag, need, changed)
             if slot is None:
                 return
             self._admit_group(slot, tag)
+            dispatch.admitted(slot, tag)
 
     def _admit_group(self, slot: ReplicaSlot, tag: int) -> None:
         group = self.prompts.next_group()

@@ -16,14 +16,18 @@ trajectories under the new weights (AReaL's interruptible generation).
   groups in completion order; admission is limited only by ``max_ahead_batches`` of
   outstanding (admitted, not yet consumed) groups.
 
-The admission rules themselves (formulas, counters) are ``loop.admission``.
+The admission rules themselves (formulas, counters) are ``loop.admission``; which replica
+takes an admitted group is ``loop.dispatch`` (``balanced`` for the lag schedules, as verl and
+AReaL split a batch over their replicas; ``fair_share`` for ``laminar``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from laminar_core.loop.admission import Admission, LagAdmission, WindowAdmission
+from laminar_core.loop.dispatch import Dispatch, Slot, make_dispatch
 
 
 class ScheduleError(ValueError):
@@ -37,6 +41,19 @@ class Schedule:
     sampler: str
     partial_rollout: bool = False
     max_ahead_batches: float = 4.0
+    dispatch: str = ""  # loop.dispatch policy; empty: balanced (lag bound) or fair_share
+
+    @property
+    def dispatch_policy(self) -> str:
+        if self.dispatch:
+            return self.dispatch
+        return "fair_share" if self.max_lag is None else "balanced"
+
+    def dispatcher(
+        self, slots: Sequence[Slot], admission: Admission, max_concurrent: int
+    ) -> Dispatch:
+        """This schedule's dispatch policy (``loop.dispatch``) over ``slots``."""
+        return make_dispatch(self.dispatch_policy, slots, admission, max_concurrent)
 
     def admission(self, groups_per_step: int) -> Admission:
         """This schedule's admission rule (``loop.admission``) for one run."""

@@ -37,40 +37,111 @@ class FailureSpec:
 
 @dataclass
 class SimRolloutConfig:
-    """A replica modelled from a roofline: decode is memory-bound below ``roofline_batch``.
+    """A replica modelled on vLLM V1's scheduler (see ``sim.rollout``).
 
-    One decode step takes ``decode_step_s`` for any batch up to ``roofline_batch`` requests
-    and grows linearly above it. Admitting a request stalls decoding for its prefill
-    (``prefill_s_per_token`` per prompt-plus-prefix token). A request is admitted while the KV
-    cache (``kv_capacity_tokens``) has room for its prompt and prefix, up to
-    ``max_num_seqs`` at once; preemption on KV overflow is not modelled.
+    A step reads the weights (``decode_step_s`` for any batch up to ``roofline_batch``
+    requests, growing linearly above) and every resident KV token (``kv_read_s_per_token``),
+    and computes its tokens at ``prefill_s_per_token`` each; it takes the longer of the memory
+    and the compute time. Prefill is chunked into the decode steps: a step carries at most
+    ``max_num_batched_tokens`` tokens (one per decoding request, the rest prefill). A request
+    is admitted while the KV cache (``kv_capacity_tokens``) has room for its prompt and
+    prefix, up to ``max_num_seqs`` at once; on overflow the newest decoding request is
+    preempted and recomputed later. ``prefix_caching``: samples of one prompt share
+    its prefill and KV on a replica.
     """
 
     decode_step_s: float = 0.025
     roofline_batch: int = 128
+    kv_read_s_per_token: float = 0.0  # a step also reads every resident KV token
     prefill_s_per_token: float = 5e-5
     kv_capacity_tokens: int = 1_000_000
     max_num_seqs: int = 1024
+    # vLLM V1's offline default on H100-class GPUs (vllm/engine/arg_utils.py)
+    max_num_batched_tokens: int = 16384
+    prefix_caching: bool = True
     weight_load_s: float = 1.0
     lengths: LengthsConfig = field(default_factory=LengthsConfig)
     failures: list[FailureSpec] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        for name in ("roofline_batch", "max_num_seqs"):
+        for name in ("roofline_batch", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1 (got {getattr(self, name)})")
-        for name in ("decode_step_s", "prefill_s_per_token", "kv_capacity_tokens", "weight_load_s"):
+        for name in (
+            "decode_step_s",
+            "kv_read_s_per_token",
+            "prefill_s_per_token",
+            "kv_capacity_tokens",
+            "weight_load_s",
+        ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (got {getattr(self, name)})")
 
 
 @dataclass
 class SimTrainerConfig:
-    """A trainer whose step takes ``gpu_seconds_per_token / gpus`` per token plus overhead."""
+    """How long one trainer step takes (``sim.trainer``).
 
+    ``kind: flops`` (the calibrated model): model FLOPs of the batch (``flops_per_param_token``
+    x parameters x tokens, plus causal attention from ``layers`` and ``hidden``) at ``mfu`` of
+    ``peak_tflops`` per GPU; a pipeline bubble ``(pp - 1) / (m + pp - 1)`` with ``m``
+    micro-batches of ``micro_batch_tokens`` per pipeline per mini-batch; one gradient
+    all-reduce (ring, ``grad_bytes_per_param``) over the data-parallel group per mini-batch
+    (``trainer.mini_batches``) at ``dp_gbps`` per GPU, ``comm_overlap`` of it hidden behind
+    backward; an optimizer step per mini-batch reading and writing ``optimizer_bytes_per_param``
+    of sharded state at ``hbm_tbps``; and ``step_overhead_s``. Data-parallel efficiency falls
+    with scale because the all-reduce does not shrink with more GPUs while the compute does,
+    and pipeline efficiency because fewer micro-batches per pipeline leave a larger bubble.
+
+    ``kind: linear`` (the default, for small and toy configs):
+    ``step_overhead_s + tokens * gpu_seconds_per_token / gpus**scaling_exponent``. The paper
+    setups (``examples/sim``) use ``flops``.
+
+    Co-located ``sync`` (verl's hybrid engine) also pays the switch between rollout and
+    training every step: ``switch_gib_per_gpu`` GiB per GPU (the rollout's weights offloaded
+    and back, plus the trainer's state with ``switch_trainer_state``) at ``switch_s_per_gib``.
+    ``switch: false`` turns it off (the baseline's best case).
+    """
+
+    kind: str = "linear"
+    # -- kind: flops --
+    peak_tflops: float = 989.0  # dense BF16 per GPU (H100/H800 SXM)
+    mfu: float = 0.35
+    flops_per_param_token: float = 8.0  # 6 (forward + backward) + 2 (old-policy log-probs)
+    layers: int = 28
+    hidden: int = 3584
+    tp: int = 1
+    pp: int = 1
+    micro_batch_tokens: int = 16384
+    grad_bytes_per_param: float = 2.0
+    dp_gbps: float = 320.0  # per GPU, ring all-reduce bus bandwidth
+    comm_overlap: float = 0.5
+    optimizer_bytes_per_param: float = 16.0
+    hbm_tbps: float = 3.35
+    # -- kind: linear --
     gpu_seconds_per_token: float = 1e-4
-    step_overhead_s: float = 1.0
     scaling_exponent: float = 1.0  # step time ~ 1 / gpus**exponent (1.0: linear speed-up)
+    # -- both --
+    step_overhead_s: float = 1.0
+    # -- co-located sync: the rollout <-> training switch --
+    switch: bool = True
+    switch_s_per_gib: float = 0.04
+    switch_trainer_state: bool = True
+    trainer_state_bytes_per_param: float = 16.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("flops", "linear"):
+            raise ValueError(f"kind: unknown {self.kind!r}; known: flops, linear")
+        for name in ("peak_tflops", "mfu", "hbm_tbps", "dp_gbps"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0 (got {getattr(self, name)})")
+        if self.mfu > 1:
+            raise ValueError(f"mfu is a fraction of peak, <= 1 (got {self.mfu})")
+        if not 0 <= self.comm_overlap <= 1:
+            raise ValueError(f"comm_overlap must be in [0, 1] (got {self.comm_overlap})")
+        for name in ("tp", "pp", "micro_batch_tokens", "layers", "hidden"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1 (got {getattr(self, name)})")
 
 
 @dataclass

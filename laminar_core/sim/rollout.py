@@ -1,18 +1,46 @@
 """The simulated rollout engine: an event-driven model of one continuous-batching replica.
 
-Every running request advances one token per decode step, so instead of simulating steps the
-engine keeps one progress counter ``P`` (tokens per sequence since the engine started) and
-a heap of the ``P`` at which each request finishes. Between two events the batch is fixed,
-so the next finish time is exact: the engine wakes only at finishes, arrivals, aborts and
-weight loads -- never once per token.
+It follows the scheduler of vLLM V1 (``vllm/v1/core/sched/scheduler.py``; SGLang's is alike):
+
+* **Decode.** Every decoding request advances one token per engine step. A step with only
+  decodes takes ``decode_step_s`` up to ``roofline_batch`` requests and grows linearly above
+  (decode is memory-bound: the weights are read once per step whatever the batch).
+* **Chunked prefill.** A prompt -- or, for a resumed or preempted trajectory, the prompt plus
+  the response so far -- is prefilled in the same steps as the decodes: a step carries every
+  decoding request (one token each) plus up to ``max_num_batched_tokens - decoding`` prefill
+  tokens, and takes the roofline of the two, ``max(decode step, (decoding + chunk) *
+  prefill_s_per_token)`` (prefill is compute-bound; the weights are read once). Running
+  requests keep decoding, more slowly, while a replica prefills new or moved work; a request's
+  first token comes out of the step that completes its prefill.
+* **Prefix caching** (``prefix_caching``): samples of one prompt admitted while another sample
+  of it is resident reuse its prompt's KV, so a GRPO group's prompt is prefilled and held once
+  per replica (vLLM's automatic prefix caching, SGLang's radix cache).
+* **KV cache** (``kv_capacity_tokens``): a request is admitted when its prompt (and resumed
+  prefix) fits; decoding adds one token per request per step; when the cache would overflow,
+  the most recently admitted decoding request is preempted (recompute mode: its KV is dropped
+  and it waits at the head of the queue, to be prefilled again with what it has generated),
+  as vLLM V1 does.
+
+Instead of simulating decode steps the engine keeps one progress counter ``P`` (tokens per
+decoding sequence since the engine started) and a heap of the ``P`` at which each request
+finishes: between two events the batch is fixed, so the next finish is exact and the engine
+wakes only at finishes, arrivals, aborts, loads, KV overflows and prefill steps (one event per
+``max_num_batched_tokens`` of prefill) -- never once per decoded token.
+
+The engine also measures itself (what ``sim.study`` reports): busy time and periods, KV-use
+and batch-occupancy integrals, trajectories started, resumed and preempted, prefill tokens,
+and -- in a ``SimLedger`` shared by a run's replicas -- each trajectory's latency from its
+first dispatch to its finish, wherever it was moved.
 """
 
 from __future__ import annotations
 
 import asyncio
 import heapq
+import itertools
 import math
 from collections import deque
+from typing import NamedTuple
 
 from laminar_core.interfaces import (
     BuildContext,
@@ -31,17 +59,65 @@ from laminar_core.types import (
 )
 
 _EPS = 1e-6
+_WAITING, _PREFILL, _RUNNING = 0, 1, 2
+
+
+class Finished(NamedTuple):
+    """One finished trajectory, as the replicas of a run saw it."""
+
+    traj_id: str
+    dispatched: float  # first dispatch, to any replica
+    finish: float
+    tokens: int  # response tokens
+    moved: bool  # resumed somewhere at least once (moved, redirected, partial rollout)
+
+    @property
+    def latency(self) -> float:
+        """From the first dispatch to the finish: queueing, moves and preemptions included."""
+        return self.finish - self.dispatched
+
+
+class SimLedger:
+    """What the replicas of one simulated run see of each trajectory, wherever it runs:
+    ``first[traj_id]`` is when it was first dispatched (while it is unfinished); ``done``
+    holds one ``Finished`` per finished trajectory."""
+
+    def __init__(self) -> None:
+        self.first: dict[str, float] = {}
+        self.resumed: set[str] = set()
+        self.done: list[Finished] = []
+
+    def submitted(self, traj_id: str, now: float, resumed: bool) -> None:
+        self.first.setdefault(traj_id, now)
+        if resumed:
+            self.resumed.add(traj_id)
+
+    def finished(self, traj_id: str, now: float, tokens: int) -> None:
+        t0 = self.first.pop(traj_id, None)
+        if t0 is not None:  # a superseded attempt's late result is not counted again
+            moved = traj_id in self.resumed
+            self.resumed.discard(traj_id)
+            self.done.append(Finished(traj_id, t0, now, tokens, moved))
 
 
 class _Req:
     __slots__ = (
+        "admitted",
+        "cache_key",
         "future",
+        "heap_key",
         "kv_base",
+        "preempted",
+        "prefill_left",
         "prefix",
         "remaining",
         "request",
+        "resumed",
+        "seq",
         "start_p",
         "start_time",
+        "state",
+        "submit_time",
         "target",
         "versions",
     )
@@ -53,16 +129,30 @@ class _Req:
         prefix: int,
         versions: list[int],
         future: asyncio.Future,
+        now: float,
     ) -> None:
         self.request = request
         self.target = target
-        self.prefix = prefix
-        self.remaining = target - prefix
-        self.kv_base = request.num_prompt_tokens + prefix
         self.versions = versions
         self.future = future
+        self.resumed = request.resume is not None  # until its first new token here
+        self.preempted = False
+        self.cache_key = (request.group_id, request.num_prompt_tokens)
+        self.submit_time = now
+        self.start_time = now
+        self.state = _WAITING
+        self.admitted = False
+        self.seq = 0
+        self.heap_key = -1
         self.start_p = 0.0
-        self.start_time = 0.0
+        self.prefill_left = 0
+        self.set_prefix(prefix)
+
+    def set_prefix(self, prefix: int) -> None:
+        """Response tokens held so far (a resumed prefix, or what a preempted request made)."""
+        self.prefix = prefix
+        self.remaining = self.target - prefix
+        self.kv_base = prefix  # its own KV at decode start; the prompt's is counted apart
 
 
 class SimRolloutEngine(RolloutEngine):
@@ -86,7 +176,8 @@ class SimRolloutEngine(RolloutEngine):
                 f"rollout.sim.lengths.kind: unknown '{opts.lengths.kind}'; "
                 "known: histogram, lognormal"
             )
-        return cls(ctx.name, opts, lengths, index=ctx.index)
+        ledger = ctx.shared.setdefault("sim_ledger", SimLedger())
+        return cls(ctx.name, opts, lengths, index=ctx.index, ledger=ledger)
 
     def __init__(
         self,
@@ -95,26 +186,47 @@ class SimRolloutEngine(RolloutEngine):
         lengths: LengthModel,
         index: int = 0,
         version: int = 0,
+        ledger: SimLedger | None = None,
     ) -> None:
         self.replica_id = replica_id
         self.cfg = config
         self.lengths = lengths
         self.version = version
+        self.ledger = ledger
         self._fail_at = [f.at_s for f in config.failures if f.replica == index]
-        self._running: dict[str, _Req] = {}
         self._waiting: deque[_Req] = deque()
-        self._heap: list[tuple[float, str]] = []
+        self._prefill: deque[_Req] = deque()
+        self._running: dict[str, _Req] = {}
+        self._heap: list[tuple[float, int, _Req]] = []
+        self._keys = itertools.count()
         self._p = 0.0
         self._last = 0.0
-        self._stall_until = 0.0
-        self._kv_base_sum = 0
+        self._kv_fixed = 0  # KV of admitted requests at their decode start, prompts once
         self._start_p_sum = 0.0
+        self._prompts: dict[tuple[str, int], int] = {}  # cached prompt -> requests holding it
+        self._prefill_tokens = 0  # prefill still to compute, all admitted requests
+        # the prefill step under way (None: decode-only, fluid): end time, length, P at start,
+        # prefill tokens it carries
+        self._step_end: float | None = None
+        self._step_dur = 0.0
+        self._step_p0 = 0.0
+        self._step_chunk = 0
         self._timer: asyncio.TimerHandle | None = None
         self._dead = False
         self._started = False
-        # Utilisation integral: batch-occupancy seconds, capped at the roofline batch.
-        self.occupancy_seconds = 0.0
+        # -- what the engine measures of itself (``sim.study`` reads these) --
+        self.occupancy_seconds = 0.0  # batch occupancy, capped at the roofline batch
+        self.kv_seconds = 0.0  # integral of KV use (0..1) over time
+        self.busy_seconds = 0.0  # time with any request admitted
+        self.busy_periods: list[list[float]] = []  # [start, end]; end = inf while busy
+        self.starts: list[float] = []  # first dispatch of each new trajectory here
         self.tokens_generated = 0
+        self.prefill_tokens = 0  # prefill computed (prompts, resumed and preempted prefixes)
+        self.resumes = 0  # trajectories resumed here (moved, redirected, partial rollout)
+        self.resume_prefill_tokens = 0
+        self.resume_seconds = 0.0  # from a resume's arrival to its first new token
+        self.preemptions = 0
+        self.kv_peak = 0.0
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
@@ -125,6 +237,7 @@ class SimRolloutEngine(RolloutEngine):
             loop.call_at(at, self.kill)
 
     async def stop(self) -> None:
+        self._advance()
         self._cancel_timer()
         self._started = False
 
@@ -136,12 +249,14 @@ class SimRolloutEngine(RolloutEngine):
         self._dead = True
         self._cancel_timer()
         err = ReplicaFailure(f"replica {self.replica_id} died (simulated failure)")
-        for req in [*self._running.values(), *self._waiting]:
+        for req in [*self._running.values(), *self._prefill, *self._waiting]:
             if not req.future.done():
                 req.future.set_exception(err)
         self._running.clear()
+        self._prefill.clear()
         self._waiting.clear()
         self._heap.clear()
+        self._mark_busy()
 
     def _check_alive(self) -> None:
         if self._dead:
@@ -149,25 +264,95 @@ class SimRolloutEngine(RolloutEngine):
 
     # -- the model ---------------------------------------------------------------------------
     def _step_time(self, n: int) -> float:
+        """The weights' part of a step with ``n`` decoding requests (flat up to the roofline
+        batch, linear above)."""
         b = self.cfg.roofline_batch
         return self.cfg.decode_step_s * (1.0 if n <= b else n / b)
 
-    def _advance(self) -> None:
-        """Bring ``P`` and the utilisation integrals up to the loop's current time."""
-        now = asyncio.get_running_loop().time()
+    def _kv_tokens(self) -> float:
+        p = 0.0 if math.isinf(self._p) else self._p
+        return self._kv_fixed + len(self._running) * p - self._start_p_sum
+
+    def _rates(self) -> tuple[float, float, float]:
+        """A decode-only step at progress ``P`` takes ``max(a + b * P, e)``: the memory time
+        (weights, plus the KV read, which grows as the running requests grow) or the compute
+        time of one token per running request."""
         n = len(self._running)
-        if n:
-            begin = max(self._last, self._stall_until)
-            step = self._step_time(n)
-            if step == 0 and now >= self._stall_until:
-                self._p = math.inf  # zero-latency decode: all running finish at once
-            elif now > begin:
-                dt = now - begin
-                self._p += dt / step
-                self.occupancy_seconds += (
-                    dt * min(n, self.cfg.roofline_batch) / (self.cfg.roofline_batch)
-                )
+        kv_s = self.cfg.kv_read_s_per_token
+        a = self._step_time(n) + kv_s * (self._kv_fixed - self._start_p_sum)
+        return a, kv_s * n, n * self.cfg.prefill_s_per_token
+
+    def _time_to(self, p0: float, p1: float) -> float:
+        """Seconds of decode-only steps to take ``P`` from ``p0`` to ``p1``."""
+        if p1 <= p0:
+            return 0.0
+        a, b, e = self._rates()
+
+        def mem(x0: float, x1: float) -> float:  # the integral of a + b * P
+            return (x1 - x0) * (a + 0.5 * b * (x0 + x1))
+
+        if b <= 0:
+            return (p1 - p0) * max(a, e)
+        cross = (e - a) / b  # below it the steps are compute-bound, above memory-bound
+        if cross <= p0:
+            return mem(p0, p1)
+        if cross >= p1:
+            return (p1 - p0) * e
+        return (cross - p0) * e + mem(cross, p1)
+
+    def _p_after(self, p0: float, dt: float) -> float:
+        """``P`` after ``dt`` seconds of decode-only steps from ``p0``."""
+        a, b, e = self._rates()
+        if b <= 0:
+            step = max(a, e)
+            return math.inf if step <= 0 else p0 + dt / step
+        cross = (e - a) / b
+        if cross > p0:
+            t_cross = (cross - p0) * e
+            if dt <= t_cross:
+                return p0 + dt / e
+            p0, dt = cross, dt - t_cross
+        s0 = a + b * p0  # memory-bound: the step grows linearly in P; solve the quadratic
+        return p0 + (math.sqrt(s0 * s0 + 2 * b * dt) - s0) / b
+
+    def _advance(self) -> None:
+        """Bring ``P`` and the integrals up to the loop's current time."""
+        now = asyncio.get_running_loop().time()
+        dt = now - self._last
+        if self._step_end is None and self._running and not math.isinf(self._p):
+            a, b, e = self._rates()
+            if a <= 0 and b <= 0 and e <= 0:  # zero-latency decode: all running finish now
+                self._p = math.inf
+        if dt > 0:
+            n = len(self._running)
+            admitted = n or self._prefill
+            cap = self.cfg.kv_capacity_tokens
+            kv0 = self._kv_tokens() if admitted else 0.0
+            if self._step_end is not None:  # a prefill step: P moves 1 per step length
+                self._p += dt / self._step_dur
+            elif n and not math.isinf(self._p):
+                # zero-latency decode (a step of 0 s) makes P infinite: all running finish
+                self._p = self._p_after(self._p, dt)
+            if n:
+                b = self.cfg.roofline_batch
+                self.occupancy_seconds += dt * min(n, b) / b
+            if admitted:
+                self.busy_seconds += dt
+                kv1 = self._kv_tokens()
+                if cap > 0 and not math.isinf(kv1):
+                    self.kv_seconds += dt * min(1.0, (kv0 + kv1) / (2 * cap))
+                    self.kv_peak = max(self.kv_peak, min(1.0, kv1 / cap))
         self._last = now
+
+    def _mark_busy(self) -> None:
+        """Open or close a busy period when the engine goes from idle to busy or back."""
+        busy = bool(self._running or self._prefill)
+        periods = self.busy_periods
+        open_ = bool(periods) and math.isinf(periods[-1][1])
+        if busy and not open_:
+            periods.append([self._last, math.inf])
+        elif not busy and open_:
+            periods[-1][1] = self._last
 
     def _cancel_timer(self) -> None:
         if self._timer is not None:
@@ -175,70 +360,191 @@ class SimRolloutEngine(RolloutEngine):
             self._timer = None
 
     def _reschedule(self) -> None:
+        """Arm the timer for the next event: the end of the prefill step under way (or a new
+        one), else the next finish or KV overflow of the fluid decode."""
         self._cancel_timer()
-        heap = self._heap
-        while heap and heap[0][1] not in self._running:
-            heapq.heappop(heap)  # lazily dropped: aborted
-        if not heap:
-            return
+        self._mark_busy()
         loop = asyncio.get_running_loop()
-        now = loop.time()
-        begin = max(now, self._stall_until)
-        p = 0.0 if math.isinf(self._p) else self._p
-        delay = max(0.0, heap[0][0] - p) * self._step_time(len(self._running))
-        self._timer = loop.call_at(begin + delay, self._on_timer)
+        if self._step_end is None and self._prefill:
+            self._begin_step()
+        if self._step_end is not None:
+            self._timer = loop.call_at(self._step_end, self._on_timer)
+            return
+        heap = self._heap
+        while heap and not self._valid(heap[0]):
+            heapq.heappop(heap)  # lazily dropped: aborted, preempted
+        n = len(self._running)
+        if not n:
+            return
+        if math.isinf(self._p):  # zero-latency decode: finish them now
+            self._timer = loop.call_at(self._last, self._on_timer)
+            return
+        p = self._p
+        delay = self._time_to(p, heap[0][0]) if heap else math.inf
+        cap = self.cfg.kv_capacity_tokens
+        if cap > 0 and n > 1:
+            # when the cache first overflows by a token (preemption then makes room)
+            p_hit = (cap + 1 - self._kv_fixed + self._start_p_sum) / n
+            delay = min(delay, self._time_to(p, p_hit))
+        if not math.isinf(delay):
+            self._timer = loop.call_at(self._last + delay, self._on_timer)
+
+    def _begin_step(self) -> None:
+        """Start a prefill step: every decoding request plus a chunk of the prefill queue."""
+        n = len(self._running)
+        chunk = max(1, min(self._prefill_tokens, self.cfg.max_num_batched_tokens - n))
+        memory = self._step_time(max(n, 1)) + self.cfg.kv_read_s_per_token * self._kv_tokens()
+        dur = max(memory, (n + chunk) * self.cfg.prefill_s_per_token)
+        if math.isinf(self._p):  # zero-latency decode: what runs is done
+            self._p = max((e[0] for e in self._heap if self._valid(e)), default=0.0)
+        self._step_p0 = self._p
+        self._step_dur = dur
+        self._step_chunk = chunk
+        self._step_end = self._last + dur
+
+    def _valid(self, entry: tuple[float, int, _Req]) -> bool:
+        req = entry[2]
+        return req.state == _RUNNING and req.heap_key == entry[1]
 
     def _on_timer(self) -> None:
         self._timer = None
         if self._dead:
             return
         self._advance()
-        heap, now = self._heap, self._last
+        now = self._last
+        if self._step_end is not None and now >= self._step_end - _EPS:
+            self._end_step()
+        heap = self._heap
         if math.isinf(self._p):  # zero-latency decode: everything running finishes now
-            self._p = max((f for f, _ in heap), default=0.0)
+            self._p = max((f for f, _, _ in heap), default=0.0)
         while heap and heap[0][0] <= self._p + _EPS:
-            _, tid = heapq.heappop(heap)
-            req = self._running.get(tid)
-            if req is not None:
-                self._finish(req, now)
+            entry = heapq.heappop(heap)
+            if self._valid(entry):
+                self._finish(entry[2], now)
+        self._relieve_kv()
         self._admit()
         self._reschedule()
 
-    def _kv_tokens(self) -> float:
-        p = 0.0 if math.isinf(self._p) else self._p
-        return self._kv_base_sum + len(self._running) * p - self._start_p_sum
+    def _end_step(self) -> None:
+        """A prefill step ended: every decoding request made one token, and the chunk's
+        prefill is done (requests whose prefill completed made their first token)."""
+        self._p = self._step_p0 + 1.0
+        self._step_end = None
+        chunk = self._step_chunk
+        self.prefill_tokens += chunk
+        while chunk > 0 and self._prefill:
+            head = self._prefill[0]
+            take = min(chunk, head.prefill_left)
+            head.prefill_left -= take
+            self._prefill_tokens -= take
+            chunk -= take
+            if head.prefill_left <= 0:
+                self._prefill.popleft()
+                self._start_decode(head, self._p - 1.0)  # its first token: this step's
+
+    def _start_decode(self, req: _Req, start_p: float) -> None:
+        req.state = _RUNNING
+        req.start_p = start_p
+        req.heap_key = next(self._keys) + 1
+        self._running[req.request.traj_id] = req
+        self._start_p_sum += start_p
+        heapq.heappush(self._heap, (start_p + req.remaining, req.heap_key, req))
+        if req.resumed:  # a resume's first new token: the move (or redirect) is done
+            self.resume_seconds += self._last - req.submit_time
+            req.resumed = False
+
+    def _prompt_cost(self, req: _Req) -> tuple[int, bool]:
+        """Prompt tokens ``req`` adds to the KV cache and prefill: 0 if its prompt is cached
+        (another sample of it is resident); and whether it holds a prompt reference."""
+        if not self.cfg.prefix_caching:
+            return req.request.num_prompt_tokens, False
+        held = self._prompts.get(req.cache_key, 0)
+        return (0 if held else req.request.num_prompt_tokens), True
 
     def _admit(self) -> None:
         cap, now = self.cfg.kv_capacity_tokens, self._last
-        while self._waiting and len(self._running) < self.cfg.max_num_seqs:
+        free_prefill = self.cfg.prefill_s_per_token == 0
+        while self._waiting and len(self._running) + len(self._prefill) < self.cfg.max_num_seqs:
             req = self._waiting[0]
-            if self._running and self._kv_tokens() + req.kv_base > cap:
+            prompt, ref = self._prompt_cost(req)
+            busy = self._running or self._prefill
+            if busy and self._kv_tokens() + prompt + req.kv_base > cap:
                 break  # no KV room: wait for finishes (an empty engine always admits one)
             self._waiting.popleft()
-            p = 0.0 if math.isinf(self._p) else self._p
-            req.start_p, req.start_time = p, now
-            self._running[req.request.traj_id] = req
-            self._kv_base_sum += req.kv_base
-            self._start_p_sum += p
-            heapq.heappush(self._heap, (p + req.remaining, req.request.traj_id))
-            self._stall_until = max(self._stall_until, now) + (
-                req.kv_base * self.cfg.prefill_s_per_token
-            )
+            req.seq = next(self._keys)
+            if ref:
+                self._prompts[req.cache_key] = self._prompts.get(req.cache_key, 0) + 1
+            self._kv_fixed += prompt + req.kv_base
+            if not req.admitted:  # first time in this engine (not back from a preemption)
+                req.admitted = True
+                req.start_time = now
+            prefill = prompt + req.prefix
+            if free_prefill:
+                p = 0.0 if math.isinf(self._p) else self._p
+                self._start_decode(req, p)
+                continue
+            req.state = _PREFILL
+            req.prefill_left = max(1, prefill)  # a fully cached prompt still computes one
+            self._prefill_tokens += req.prefill_left
+            if req.resumed and not req.preempted:
+                self.resume_prefill_tokens += req.prefill_left
+            self._prefill.append(req)
+
+    def _release(self, req: _Req) -> None:
+        """Give back ``req``'s KV (its own, and its prompt reference)."""
+        self._kv_fixed -= req.kv_base
+        if not self.cfg.prefix_caching:
+            self._kv_fixed -= req.request.num_prompt_tokens
+            return
+        held = self._prompts.get(req.cache_key, 0) - 1
+        if held <= 0:
+            self._prompts.pop(req.cache_key, None)
+            self._kv_fixed -= req.request.num_prompt_tokens
+        else:
+            self._prompts[req.cache_key] = held
+
+    def _produced(self, req: _Req) -> int:
+        """Response tokens ``req`` holds now (its prefix plus what it decoded here)."""
+        if req.state != _RUNNING:
+            return req.prefix
+        p = self._p if not math.isinf(self._p) else req.start_p + req.remaining
+        return req.prefix + max(0, min(req.remaining, int(p - req.start_p + _EPS)))
 
     def _remove(self, req: _Req) -> int:
-        """Take ``req`` out of the running set; returns the tokens it has generated so far."""
-        del self._running[req.request.traj_id]
-        self._kv_base_sum -= req.kv_base
-        self._start_p_sum -= req.start_p
-        p = self._p if not math.isinf(self._p) else req.start_p + req.remaining
-        done = min(req.remaining, int(p - req.start_p + _EPS))
-        self.tokens_generated += done
-        return req.prefix + done
+        """Take ``req`` out of the engine; returns the response tokens it holds."""
+        produced = self._produced(req)
+        if req.state == _RUNNING:
+            del self._running[req.request.traj_id]
+            self._start_p_sum -= req.start_p
+            # what the KV held beyond kv_base is the tokens decoded here: drop it with it
+            self.tokens_generated += produced - req.prefix
+            self._release(req)
+        elif req.state == _PREFILL:
+            self._prefill.remove(req)
+            self._prefill_tokens -= req.prefill_left
+            self._release(req)
+        else:
+            self._waiting.remove(req)
+        req.state = _WAITING
+        return produced
+
+    def _relieve_kv(self) -> None:
+        """Preempt the most recently admitted decoding requests while the KV cache overflows
+        (recompute mode: each waits at the head of the queue with what it has generated)."""
+        cap = self.cfg.kv_capacity_tokens
+        while len(self._running) > 1 and self._kv_tokens() > cap + _EPS:
+            victim = max(self._running.values(), key=lambda r: r.seq)
+            produced = self._remove(victim)
+            victim.set_prefix(produced)
+            victim.preempted = True
+            self._waiting.appendleft(victim)
+            self.preemptions += 1
 
     def _finish(self, req: _Req, now: float) -> None:
         produced = self._remove(req)
         r = req.request
         reason = FinishReason.LENGTH if produced >= r.sampling.max_tokens else FinishReason.STOP
+        resumed_from = r.resume.num_response_tokens if r.resume is not None else 0
         traj = Trajectory(
             traj_id=r.traj_id,
             group_id=r.group_id,
@@ -251,23 +557,30 @@ class SimRolloutEngine(RolloutEngine):
             replicas=[self.replica_id],
             start_time=req.start_time,
             finish_time=now,
-            metadata={**r.metadata, "resumed_tokens": req.prefix} if req.prefix else r.metadata,
+            metadata={**r.metadata, "resumed_tokens": resumed_from} if resumed_from else r.metadata,
         )
+        if self.ledger is not None:
+            self.ledger.finished(r.traj_id, now, produced)
         if not req.future.done():
             req.future.set_result(traj)
 
     def _partial(self, req: _Req) -> PartialTrajectory:
-        if req.request.traj_id in self._running:
-            p = self._p if not math.isinf(self._p) else req.start_p
-            produced = req.prefix + min(req.remaining, int(p - req.start_p + _EPS))
-        else:
-            produced = req.prefix
         return PartialTrajectory(
             traj_id=req.request.traj_id,
             version=self.version,
-            num_response_tokens=produced,
+            num_response_tokens=self._produced(req),
             versions=list(req.versions),
         )
+
+    def _find(self, traj_id: str) -> _Req | None:
+        req = self._running.get(traj_id)
+        if req is not None:
+            return req
+        for q in (self._prefill, self._waiting):
+            for r in q:
+                if r.request.traj_id == traj_id:
+                    return r
+        return None
 
     # -- RolloutEngine -----------------------------------------------------------------------
     async def generate(self, request: GenerationRequest) -> Trajectory:
@@ -281,9 +594,15 @@ class SimRolloutEngine(RolloutEngine):
             versions = list(request.resume.versions) or [request.resume.version]
             if versions[-1] != self.version:
                 versions.append(self.version)
+            self.resumes += 1
         fut = loop.create_future()
         self._advance()
-        self._waiting.append(_Req(request, target, prefix, versions, fut))
+        now = self._last
+        if request.resume is None:
+            self.starts.append(now)
+        if self.ledger is not None:
+            self.ledger.submitted(request.traj_id, now, request.resume is not None)
+        self._waiting.append(_Req(request, target, prefix, versions, fut, now))
         self._admit()
         self._reschedule()
         return await fut
@@ -292,18 +611,12 @@ class SimRolloutEngine(RolloutEngine):
         self._check_alive()
         self._advance()
         out = []
-        wanted = set(traj_ids)
-        waiting = {w.request.traj_id: w for w in self._waiting if w.request.traj_id in wanted}
         for tid in traj_ids:
-            req = self._running.get(tid)
-            if req is not None:
-                part = self._partial(req)
-                self._remove(req)
-            else:
-                req = waiting.get(tid)
-                if req is None:
-                    continue  # already finished: its generate call returned normally
-                part = self._partial(req)
+            req = self._find(tid)
+            if req is None:
+                continue  # already finished: its generate call returned normally
+            part = self._partial(req)
+            self._remove(req)
             out.append(part)
             if not req.future.done():
                 req.future.set_result(
@@ -318,8 +631,6 @@ class SimRolloutEngine(RolloutEngine):
                         replicas=[self.replica_id],
                     )
                 )
-        if waiting:
-            self._waiting = deque(w for w in self._waiting if w.request.traj_id not in waiting)
         self._admit()
         self._reschedule()
         return out
@@ -327,7 +638,7 @@ class SimRolloutEngine(RolloutEngine):
     async def partials(self, traj_ids: list[str] | None = None) -> list[PartialTrajectory]:
         self._check_alive()
         self._advance()
-        reqs = [*self._running.values(), *self._waiting]
+        reqs = [*self._running.values(), *self._prefill, *self._waiting]
         if traj_ids is not None:
             wanted = set(traj_ids)
             reqs = [r for r in reqs if r.request.traj_id in wanted]
@@ -335,7 +646,7 @@ class SimRolloutEngine(RolloutEngine):
 
     async def update_weights(self, weights: WeightsRef) -> None:
         self._check_alive()
-        if self._running or self._waiting:
+        if self._running or self._prefill or self._waiting:
             raise RuntimeError(
                 f"replica {self.replica_id}: update_weights with trajectories in flight would "
                 "mix weight versions inside one trajectory"
@@ -351,7 +662,7 @@ class SimRolloutEngine(RolloutEngine):
         self._advance()
         cap = self.cfg.kv_capacity_tokens
         return EngineStats(
-            running=len(self._running),
+            running=len(self._running) + len(self._prefill),
             waiting=len(self._waiting),
             kv_use=min(1.0, self._kv_tokens() / cap) if cap else 0.0,
             kv_capacity_tokens=cap,

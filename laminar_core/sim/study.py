@@ -12,6 +12,7 @@ traced run's row equals the untraced one (all but ``wall_seconds``).
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
 import time
@@ -22,6 +23,8 @@ from typing import Any
 import yaml
 
 from laminar_core.config.loader import ResolvedConfig, apply_overrides
+from laminar_core.loop.dispatch import make_dispatch
+from laminar_core.loop.schedules import split_schedule_name
 from laminar_core.plugins import PluginManager, default_manager
 from laminar_core.plugins.resolve import resolve
 from laminar_core.runtime import Run, build_local_run
@@ -30,66 +33,218 @@ from laminar_core.sim.clock import run_virtual
 RESULT_KEYS = (
     "point",
     "schedule",
+    "repack",
     "gpus",
     "trainer_gpus",
     "replicas",
     "steps",
+    "warmup_steps",
     "throughput_tokens_per_s",
+    "generation_tokens_per_s",
+    "generation_share",
     "rollout_utilization",
+    "rollout_idle_share",
     "trainer_idle_share",
+    "kv_use_mean",
+    "kv_use_busy_mean",
+    "trajectory_latency_mean_s",
+    "trajectory_latency_p99_s",
+    "trajectory_latency_max_s",
     "staleness_mean",
     "staleness_p99",
     "staleness_max",
     "repacks",
     "repacked_trajectories",
+    "move_seconds",
+    "preemptions",
     "weight_sync_stall_s",
+    "train_step_s",
+    "switch_s",
+    "replicas_started_min",
+    "replicas_busy_min",
+    "started_per_replica_min",
+    "started_per_replica_max",
     "sim_seconds",
     "wall_seconds",
 )
+"""Every row's keys (``per_step`` holds the per-step work spread as a list). Figures are
+measured after ``warmup_steps`` trainer steps (from the end of the last warm-up step to the
+end of the last step): throughput, generation, utilisation, idle shares, KV use, latency,
+staleness, moves and preemptions; the work spread (``replicas_*``, ``started_*``,
+``per_step``) covers every step, warm-up included."""
 
 
-def _percentile(values: list[int], q: float) -> float:
+def _percentile(values: list[float], q: float) -> float:
     if not values:
         return 0.0
     s = sorted(values)
     return float(s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))])
 
 
-def summarize(run: Run, wall: float, point: str = "") -> dict[str, Any]:
-    """One result row from a finished run (throughput as the Laminar paper measures it:
-    tokens of each global batch over the time between consecutive trainer updates,
-    averaged over the steps after ``study.warmup_steps``)."""
+# per-engine counters a study reads (cumulative; the window's share is end minus warm-up)
+_ENGINE_COUNTERS = (
+    "occupancy_seconds",
+    "kv_seconds",
+    "busy_seconds",
+    "resume_seconds",
+    "preemptions",
+    "tokens_generated",
+)
+
+
+def engine_counters(engine: Any) -> dict[str, float]:
+    """A simulated replica's cumulative counters now (zeros for another engine)."""
+    advance = getattr(engine, "_advance", None)
+    if advance is not None:
+        advance()  # bring its integrals up to this instant
+    return {k: float(getattr(engine, k, 0.0)) for k in _ENGINE_COUNTERS}
+
+
+@dataclass
+class WarmupSnapshot:
+    """What the run had accumulated when the last warm-up step ended."""
+
+    time: float
+    engines: list[dict[str, float]]
+    moves: int
+    moved: int
+
+
+def _union_length(intervals: list[tuple[float, float]], lo: float, hi: float) -> float:
+    """Length of the union of ``intervals`` clipped to ``[lo, hi]``."""
+    total, cur_a, cur_b = 0.0, None, None
+    for a, b in sorted((max(a, lo), min(b, hi)) for a, b in intervals if b > lo and a < hi):
+        if cur_b is None or a > cur_b:
+            if cur_b is not None:
+                total += cur_b - cur_a
+            cur_a, cur_b = a, b
+        else:
+            cur_b = max(cur_b, b)
+    if cur_b is not None:
+        total += cur_b - cur_a
+    return total
+
+
+def work_spread(engines: list[Any], bounds: list[float]) -> list[dict[str, Any]]:
+    """Per step (``bounds[i]`` .. ``bounds[i + 1]``): how many replicas started a new
+    trajectory, how many ran work at all, and the fewest / most trajectories a replica
+    started."""
+    out = []
+    for i in range(len(bounds) - 1):
+        a, b = bounds[i], bounds[i + 1]
+        started, busy = [], 0
+        for e in engines:
+            starts = getattr(e, "starts", [])
+            started.append(bisect.bisect_left(starts, b) - bisect.bisect_left(starts, a))
+            if any(p0 < b and p1 > a for p0, p1 in getattr(e, "busy_periods", [])):
+                busy += 1
+        out.append(
+            {
+                "step": i,
+                "period_s": b - a,
+                "replicas_started": sum(1 for n in started if n),
+                "replicas_busy": busy,
+                "started_min": min(started, default=0),
+                "started_max": max(started, default=0),
+            }
+        )
+    return out
+
+
+def summarize(
+    run: Run,
+    wall: float,
+    point: str = "",
+    warm: WarmupSnapshot | None = None,
+    final: WarmupSnapshot | None = None,
+) -> dict[str, Any]:
+    """One result row from a finished run. Throughput is the Laminar paper's: tokens of each
+    global batch over the time between consecutive trainer updates; it and every other
+    figure but the work spread are measured after ``study.warmup_steps``: from ``warm``, the
+    counters when the last warm-up step ended (``None``: zeros, from the start), to
+    ``final``, the counters when the last step ended."""
+    cfg = run.resolved.cfg
     recs = run.controller.records
-    warm = min(run.resolved.cfg.study.warmup_steps, max(0, len(recs) - 1))
-    t_begin = recs[warm - 1].end if warm > 0 else run.controller.t_start
-    post = recs[warm:]
-    period = (post[-1].end - t_begin) if post else 0.0
+    n_warm = min(cfg.study.warmup_steps, max(0, len(recs) - 1))
+    t_begin = recs[n_warm - 1].end if n_warm > 0 else run.controller.t_start
+    post = recs[n_warm:]
+    end = recs[-1].end if recs else 0.0
+    period = (end - t_begin) if post else 0.0
     tokens = sum(r.tokens for r in post)
     wait = sum(r.train_start - r.start for r in post)
-    end = recs[-1].end if recs else 0.0
-    stale = [s for r in recs for s in r.staleness]
+    stale = [s for r in post for s in r.staleness]
     engines = run.engines
-    occupancy = sum(getattr(e, "occupancy_seconds", 0.0) for e in engines)
-    util = occupancy / (len(engines) * end) if engines and end > 0 else 0.0
+    zeros = [dict.fromkeys(_ENGINE_COUNTERS, 0.0)] * len(engines)
+    if warm is None or warm.time != t_begin:
+        warm = WarmupSnapshot(t_begin, zeros, 0, 0)
+    now = final.engines if final is not None else zeros
+
+    def window(key: str) -> float:
+        return sum(n[key] - w[key] for n, w in zip(now, warm.engines))
+
+    gpu_time = len(engines) * period
+    busy = window("busy_seconds")
+    ledger = getattr(run.runtime, "shared", {}).get("sim_ledger")
+    done = [d for d in (ledger.done if ledger else []) if t_begin < d.finish <= end]
+    latency = [d.latency for d in done]
+    periods = [(a, min(b, end)) for e in engines for a, b in getattr(e, "busy_periods", [])]
+    breakdowns = getattr(getattr(run.trainer, "engine", None), "breakdowns", [])[n_warm:]
+    bounds = [run.controller.t_start] + [r.end for r in recs]
+    spread = work_spread(engines, bounds)
+    moved = run.manager.moved - warm.moved
     return {
         "point": point,
         "schedule": run.schedule.name,
-        "gpus": run.resolved.cfg.cluster.gpus,
+        "repack": cfg.repack.policy,
+        "gpus": cfg.cluster.gpus,
         "trainer_gpus": run.placement.trainer_gpus,
         "replicas": run.placement.replicas,
         "steps": len(recs),
+        "warmup_steps": n_warm,
         "throughput_tokens_per_s": tokens / period if period > 0 else 0.0,
-        "rollout_utilization": util,
+        "generation_tokens_per_s": sum(d.tokens for d in done) / period if period > 0 else 0.0,
+        "generation_share": _union_length(periods, t_begin, end) / period if period > 0 else 0.0,
+        "rollout_utilization": window("occupancy_seconds") / gpu_time if gpu_time > 0 else 0.0,
+        "rollout_idle_share": 1.0 - busy / gpu_time if gpu_time > 0 else 0.0,
         "trainer_idle_share": wait / period if period > 0 else 0.0,
+        "kv_use_mean": window("kv_seconds") / gpu_time if gpu_time > 0 else 0.0,
+        "kv_use_busy_mean": window("kv_seconds") / busy if busy > 0 else 0.0,
+        "trajectory_latency_mean_s": sum(latency) / len(latency) if latency else 0.0,
+        "trajectory_latency_p99_s": _percentile(latency, 0.99),
+        "trajectory_latency_max_s": max(latency, default=0.0),
         "staleness_mean": sum(stale) / len(stale) if stale else 0.0,
         "staleness_p99": _percentile(stale, 0.99),
         "staleness_max": max(stale, default=0),
-        "repacks": run.manager.moves,
-        "repacked_trajectories": run.manager.moved,
-        "weight_sync_stall_s": sum(r.stall for r in recs) / len(recs) if recs else 0.0,
+        "repacks": run.manager.moves - warm.moves,
+        "repacked_trajectories": moved,
+        "move_seconds": window("resume_seconds"),
+        "preemptions": int(window("preemptions")),
+        "weight_sync_stall_s": sum(r.stall for r in post) / len(post) if post else 0.0,
+        "train_step_s": (
+            sum(r.end - r.train_start - r.stall for r in post) / len(post) if post else 0.0
+        ),
+        "switch_s": sum(b.switch for b in breakdowns) / len(breakdowns) if breakdowns else 0.0,
+        "replicas_started_min": min((s["replicas_started"] for s in spread), default=0),
+        "replicas_busy_min": min((s["replicas_busy"] for s in spread), default=0),
+        "started_per_replica_min": min((s["started_min"] for s in spread), default=0),
+        "started_per_replica_max": max((s["started_max"] for s in spread), default=0),
         "sim_seconds": end,
         "wall_seconds": wall,
+        "per_step": spread,
     }
+
+
+def schedule_config(
+    resolved: ResolvedConfig, spec: str, pm: PluginManager | None = None
+) -> ResolvedConfig:
+    """The config a study runs schedule ``spec`` with: ``repack.policy`` if the schedule is
+    one of ``study.repack_schedules`` (by name or full spec), else ``repack.policy=none``."""
+    cfg = resolved.cfg
+    listed = set(cfg.study.repack_schedules)
+    if spec in listed or split_schedule_name(spec)[0] in listed or cfg.repack.policy == "none":
+        return resolved
+    raw = apply_overrides(json.loads(json.dumps(resolved.to_dict())), ["repack.policy=none"])
+    return resolve(raw, (), pm or default_manager(), resolved.source)
 
 
 def simulate_schedule(
@@ -99,23 +254,50 @@ def simulate_schedule(
     point: str = "",
     keep_run: list[Run] | None = None,
     record_events: bool = False,
+    dispatch: str = "",
 ) -> dict[str, Any]:
-    """Run ``schedule`` (default: the config's) for ``run.steps`` steps on virtual time.
+    """Run ``schedule`` (default: the config's) for ``run.steps`` steps on virtual time, with
+    the repack policy ``study.repack_schedules`` gives it (``schedule_config``).
 
     ``record_events`` keeps the run's event timeline (``run.events``; see ``keep_run``).
+    ``dispatch`` replaces the schedule's dispatch policy (``loop.dispatch``), e.g.
+    ``least_loaded`` to measure the previous rule.
     """
     pm = pm or default_manager()
+    spec = schedule or resolved.cfg.schedule
+    resolved = schedule_config(resolved, spec, pm)
     wall0 = time.perf_counter()
+    snaps: dict[int, WarmupSnapshot] = {}
 
     async def main() -> Run:
-        run = build_local_run(resolved, schedule, pm, record_events=record_events)
-        await run.controller.run(resolved.cfg.run.steps)
+        run = build_local_run(resolved, spec, pm, record_events=record_events)
+        if dispatch:
+            m = run.manager
+            m.dispatch = make_dispatch(dispatch, m.slots, m.admission, m.opt.max_concurrent)
+        ctl, write = run.controller, run.controller.metrics.write
+
+        def write_and_snapshot(row: dict[str, Any]) -> None:
+            # the replicas' counters at the end of every step (their integrals advanced to
+            # this instant): the figures cover the end of the warm-up to the end of the run
+            snaps[len(ctl.records)] = _snapshot(run, ctl.records[-1].end)
+            write(row)
+
+        ctl.metrics.write = write_and_snapshot  # type: ignore[method-assign]
+        await ctl.run(resolved.cfg.run.steps)
         return run
 
     run = run_virtual(main())
     if keep_run is not None:
         keep_run.append(run)
-    return summarize(run, time.perf_counter() - wall0, point)
+    n = len(run.controller.records)
+    warm = snaps.get(min(resolved.cfg.study.warmup_steps, max(0, n - 1)))
+    return summarize(run, time.perf_counter() - wall0, point, warm, snaps.get(n))
+
+
+def _snapshot(run: Run, t: float) -> WarmupSnapshot:
+    return WarmupSnapshot(
+        t, [engine_counters(e) for e in run.engines], run.manager.moves, run.manager.moved
+    )
 
 
 def sweep_points(resolved: ResolvedConfig, pm: PluginManager) -> list[tuple[str, ResolvedConfig]]:
@@ -224,18 +406,28 @@ def run_study(
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
+    """The study's rows as a text table (figures after the warm-up, see ``RESULT_KEYS``)."""
     cols = [
         ("point", "point", "{}"),
         ("schedule", "schedule", "{}"),
+        ("repack", "repack", "{}"),
         ("gpus", "gpus", "{}"),
         ("throughput_tokens_per_s", "tokens/s", "{:,.0f}"),
-        ("rollout_utilization", "rollout util", "{:.1%}"),
-        ("trainer_idle_share", "trainer idle", "{:.1%}"),
+        ("generation_tokens_per_s", "gen tok/s", "{:,.0f}"),
+        ("generation_share", "gen share", "{:.0%}"),
+        ("kv_use_mean", "KV all", "{:.0%}"),
+        ("kv_use_busy_mean", "KV busy", "{:.0%}"),
+        ("trajectory_latency_mean_s", "lat mean s", "{:,.0f}"),
+        ("trajectory_latency_p99_s", "lat p99 s", "{:,.0f}"),
         ("staleness_mean", "stale mean", "{:.2f}"),
-        ("staleness_p99", "stale p99", "{:.0f}"),
-        ("staleness_max", "stale max", "{}"),
-        ("repacks", "repacks", "{}"),
-        ("weight_sync_stall_s", "sync stall s", "{:.2f}"),
+        ("staleness_p99", "p99", "{:.0f}"),
+        ("staleness_max", "max", "{}"),
+        ("trainer_idle_share", "trainer idle", "{:.0%}"),
+        ("rollout_idle_share", "rollout idle", "{:.0%}"),
+        ("repacks", "moves", "{}"),
+        ("repacked_trajectories", "moved", "{}"),
+        ("move_seconds", "move s", "{:,.0f}"),
+        ("replicas_busy_min", "busy min", "{}"),
         ("sim_seconds", "sim s", "{:,.0f}"),
         ("wall_seconds", "wall s", "{:.1f}"),
     ]
@@ -245,6 +437,11 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     widths = [max(len(h), *(len(c[i]) for c in cells)) for i, (_, h, _) in enumerate(cols)]
     lines = ["  ".join(h.ljust(w) for (_, h, _), w in zip(cols, widths))]
     lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in cells]
+    warm = {r.get("warmup_steps") for r in rows}
+    lines.append(
+        f"(after {', '.join(str(w) for w in sorted(warm))} warm-up step(s); busy min: the "
+        "fewest replicas that ran work in any step, of 'replicas')"
+    )
     return "\n".join(lines)
 
 
