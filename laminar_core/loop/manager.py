@@ -34,8 +34,8 @@ from laminar_core.interfaces import (
     SharedVersionGone,
     WeightsRef,
 )
-from laminar_core.loop.episodes import EpisodeRestart, Episodes
 from laminar_core.loop.dispatch import Dispatch
+from laminar_core.loop.episodes import EpisodeRestart, Episodes
 from laminar_core.loop.schedules import Schedule
 from laminar_core.relay.events import RelayEvent, RelayEvents
 from laminar_core.telemetry import EventLog
