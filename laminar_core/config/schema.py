@@ -262,7 +262,6 @@ class EnvConfig:
     options: dict[str, Any] = field(default_factory=dict)
 
 
-
 @dataclass
 class LaminarConfig:
     run: RunConfig = field(default_factory=RunConfig)

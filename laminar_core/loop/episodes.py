@@ -114,8 +114,10 @@ class Episodes:
             await self._close(state.episode)
             return state, None
         obs_ids = self._encode(result.observation)
-        obs_count = len(obs_ids) if self.tokenizer is not None else int(
-            result.info.get("observation_tokens", 0)
+        obs_count = (
+            len(obs_ids)
+            if self.tokenizer is not None
+            else int(result.info.get("observation_tokens", 0))
         )
         state.mask += [1] * new_count + [0] * obs_count
         state.length = traj.num_response_tokens + obs_count
@@ -148,9 +150,7 @@ class Episodes:
         calls = int(result.info.get("tool_calls", 0))
         state.tool_calls += calls
         if calls:
-            state.tool_seconds.append(
-                float(result.info.get("tool_seconds", time.monotonic() - t0))
-            )
+            state.tool_seconds.append(float(result.info.get("tool_seconds", time.monotonic() - t0)))
         if result.info.get("error"):
             self._count(state, str(result.info["error"]))
         if result.reward is not None:

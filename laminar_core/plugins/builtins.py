@@ -46,7 +46,11 @@ def laminar_schedules() -> dict[str, object]:
 
 @hookimpl
 def laminar_tasks() -> dict[str, object]:
-    return {"repeat": "laminar_core.tasks.repeat:RepeatTask"}
+    return {
+        "repeat": "laminar_core.tasks.repeat:RepeatTask",
+        "tool_calling": "laminar_core.tasks.tool_calling:ToolCallingTask",
+        "retool_math": "laminar_core.tasks.retool_math:RetoolMathTask",
+    }
 
 
 @hookimpl
@@ -55,6 +59,8 @@ def laminar_rewards() -> dict[str, object]:
         "repeat": "laminar_core.tasks.repeat:repeat_reward",
         "exact_match": "laminar_core.tasks.rewards:exact_match",
         "contains": "laminar_core.tasks.rewards:contains",
+        "tool_calling": "laminar_core.tasks.tool_calling:tool_calling_reward",
+        "boxed_integer": "laminar_core.tasks.retool_math:boxed_integer",
     }
 
 
