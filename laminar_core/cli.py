@@ -82,12 +82,33 @@ def _parser() -> argparse.ArgumentParser:
     )
     tiny.add_argument("--kv-heads", type=int, default=None)
     tiny.add_argument("--intermediate-size", type=int, default=None)
+    tiny.add_argument(
+        "--warmup",
+        metavar="TASK",
+        help="then fit it to TASK's synthetic demonstrations (tool_calling: the tool-call "
+        "format, seconds to a minute of CPU) so RL starts from a model that knows the format",
+    )
+    tiny.add_argument("--warmup-steps", type=int, default=300)
+    tiny.add_argument(
+        "--warmup-share",
+        type=float,
+        default=0.25,
+        help="tool_calling: share of demonstrations that call the tool (the rest guess)",
+    )
     return p
 
 
 def _tiny_model(args: argparse.Namespace) -> int:
     from laminar_core.models import build_tiny_model
+    from laminar_core.models.warmup import WARMUPS, warm_start
 
+    if args.warmup is not None and args.warmup not in WARMUPS:
+        known = ", ".join(sorted(WARMUPS))
+        print(
+            f"laminar: error: tiny-model: unknown --warmup {args.warmup!r}; known: {known}",
+            file=sys.stderr,
+        )
+        return 2
     try:
         out = build_tiny_model(
             args.out_dir,
@@ -99,6 +120,19 @@ def _tiny_model(args: argparse.Namespace) -> int:
             kv_heads=args.kv_heads,
             intermediate_size=args.intermediate_size,
         )
+        if args.warmup is not None:
+            import torch
+
+            torch.set_num_threads(1)  # small batches: more threads only contend
+            report = warm_start(
+                out,
+                args.warmup,
+                steps=args.warmup_steps,
+                share=args.warmup_share,
+                seed=args.seed,
+                log=print,
+            )
+            print(report.summary())
     except (ValueError, ImportError) as e:
         print(f"laminar: error: tiny-model: {e}", file=sys.stderr)
         return 2

@@ -176,13 +176,7 @@ def build_tiny_model(
     model.generation_config.update(
         bos_token_id=bos_id, eos_token_id=eos_id, pad_token_id=pad_id, do_sample=True
     )
-    model.save_pretrained(out, safe_serialization=True)
-    # Older readers (and vLLM's config parsing) look for ``torch_dtype``; newer ones ``dtype``.
-    cfg_path = out / "config.json"
-    cfg = json.loads(cfg_path.read_text())
-    cfg.setdefault("torch_dtype", "float32")
-    cfg.setdefault("rope_theta", cfg.get("rope_parameters", {}).get("rope_theta", 10000.0))
-    cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    save_model(model, out)
 
     fast = PreTrainedTokenizerFast(
         tokenizer_object=_build_tokenizer(vocab_size),
@@ -197,3 +191,14 @@ def build_tiny_model(
     )
     fast.save_pretrained(out)
     return out
+
+
+def save_model(model, out: Path) -> None:
+    """Write ``model`` (weights, config, generation config) to ``out`` as vLLM reads it."""
+    model.save_pretrained(out, safe_serialization=True)
+    # Older readers (and vLLM's config parsing) look for ``torch_dtype``; newer ones ``dtype``.
+    cfg_path = out / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg.setdefault("torch_dtype", "float32")
+    cfg.setdefault("rope_theta", cfg.get("rope_parameters", {}).get("rope_theta", 10000.0))
+    cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")

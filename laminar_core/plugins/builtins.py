@@ -49,6 +49,8 @@ def laminar_tasks() -> dict[str, object]:
     return {
         "repeat": "laminar_core.tasks.repeat:RepeatTask",
         "longtail": "laminar_core.tasks.longtail:LongTailTask",
+        "tool_calling": "laminar_core.tasks.tool_calling:ToolCallingTask",
+        "retool_math": "laminar_core.tasks.retool_math:RetoolMathTask",
     }
 
 
@@ -58,6 +60,8 @@ def laminar_rewards() -> dict[str, object]:
         "repeat": "laminar_core.tasks.repeat:repeat_reward",
         "exact_match": "laminar_core.tasks.rewards:exact_match",
         "contains": "laminar_core.tasks.rewards:contains",
+        "tool_calling": "laminar_core.tasks.tool_calling:tool_calling_reward",
+        "boxed_integer": "laminar_core.tasks.retool_math:boxed_integer",
     }
 
 

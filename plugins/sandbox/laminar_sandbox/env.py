@@ -7,11 +7,18 @@ it hit (timeout, memory, CPU time, output), all rendered by the parser (``<inter
 ... ``</interpreter>`` for ReTool's format). A turn with no call is the model's answer: the
 episode is done. So is a call after ``max_turns`` tool turns (not run). Every call runs in a
 new sandbox: nothing (variables, files) carries over from one call to the next.
+
+Two options shape what runs: ``prelude_key`` names a field of the prompt's row holding code
+that runs before each call, hidden from the model (a task's private state: the
+``tool_calling`` task's secret number); ``print_last`` prints the value of a call's last
+line when it is an expression (as Jupyter shows it, and as ReTool's executor does).
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +27,8 @@ from laminar_sandbox.isolation import ISOLATIONS
 from laminar_sandbox.pool import Limits, SandboxPool
 from laminar_sandbox.remote import SandboxFusionClient
 from laminar_sandbox.result import CodeExecutor, RunResult
+
+log = logging.getLogger("laminar.sandbox")
 
 BACKENDS = ("local", "sandbox_fusion")
 TOOL = "python"
@@ -56,6 +65,8 @@ class SandboxOptions:
     url: str = ""
     language: str = "python"
     retries: int = 3
+    prelude_key: str = ""
+    print_last: bool = False
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -93,11 +104,56 @@ def render(result: RunResult) -> str:
     return "\n".join(parts) if parts else "[no output]"
 
 
+#: Code longer than this is sent as written (``print_last`` parses it on the host).
+PRINT_LAST_MAX_CHARS = 100_000
+
+
+def print_last_value(code: str) -> str:
+    """``code`` with its last statement wrapped so its value is printed, when that statement
+    is an expression other than a ``print(...)`` call and its value is not ``None``; else
+    ``code`` unchanged (also when it does not parse: the sandbox reports the syntax error).
+    Line numbers are kept."""
+    if len(code) > PRINT_LAST_MAX_CHARS:
+        return code
+    try:
+        body = ast.parse(code).body
+    except Exception:  # SyntaxError, or a parser limit (deep nesting): run it as written
+        return code
+    last_stmt = body[-1] if body else None
+    if not isinstance(last_stmt, ast.Expr):
+        return code
+    value = last_stmt.value
+    func = value.func if isinstance(value, ast.Call) else None
+    if isinstance(func, ast.Name) and func.id == "print":
+        return code
+    # the statement's span (a parenthesised expression's parentheses included)
+    lines = code.splitlines(keepends=True)
+    first, last = last_stmt.lineno - 1, (last_stmt.end_lineno or last_stmt.lineno) - 1
+    end_col = last_stmt.end_col_offset or 0
+    # col offsets count UTF-8 bytes
+    start = len(lines[first].encode()[: last_stmt.col_offset].decode(errors="ignore"))
+    end = len(lines[last].encode()[:end_col].decode(errors="ignore"))
+    head = "".join(lines[:first]) + lines[first][:start]
+    expr = "".join(lines[first : last + 1])
+    expr = expr[start : len(expr) - len(lines[last]) + end]
+    tail = lines[last][end:] + "".join(lines[last + 1 :])
+    return f"{head}__laminar_v = ({expr}); __laminar_v is None or print(repr(__laminar_v)){tail}"
+
+
 class SandboxEpisode(Episode):
-    def __init__(self, env: PythonSandboxEnv) -> None:
+    def __init__(self, env: PythonSandboxEnv, prelude: str = "", bad_prelude: str = "") -> None:
         self.env = env
+        self.prelude = prelude
+        self.bad_prelude = bad_prelude  # why the row's prelude cannot run (each call says so)
         self.turns = 0
         self.finished = False
+
+    def program(self, code: str) -> str:
+        """What runs for a call of ``code``: the prelude, then the code (``print_last``
+        applied). The prelude shifts the code's line numbers by its own line count."""
+        if self.env.options.print_last:
+            code = print_last_value(code)
+        return f"{self.prelude}\n{code}" if self.prelude else code
 
     async def step(self, turn_text: str) -> StepResult:
         if self.finished:
@@ -125,8 +181,11 @@ class SandboxEpisode(Episode):
             elif not isinstance(code, str):
                 outputs.append(f"[tool {TOOL!r} needs a string argument 'code']")
                 info["error"] = "parse_error"
+            elif self.bad_prelude:
+                outputs.append(f"[{self.bad_prelude}]")
+                info["error"] = "prelude"
             else:
-                result = await self.env.executor.run(code, ctx.timeout_s)
+                result = await self.env.executor.run(self.program(code), ctx.timeout_s)
                 outputs.append(render(result))
                 info["tool_seconds"] = round(info["tool_seconds"] + result.wall_s, 4)
                 if result.truncated:
@@ -200,7 +259,18 @@ class PythonSandboxEnv(Environment):
         await self.executor.start()
 
     async def reset(self, row: dict[str, Any]) -> Episode:
-        episode = SandboxEpisode(self)
+        prelude, bad = "", ""
+        key = self.options.prelude_key
+        if key:
+            prelude = row.get(key) or ""
+            if not isinstance(prelude, str):  # a data problem: every call of the row says so
+                bad = (
+                    f"the task's prelude (row field {key!r}, env.options.prelude_key) is a "
+                    f"{type(prelude).__name__}, not code; the call was not run"
+                )
+                log.warning("python_sandbox: %s", bad)
+                prelude = ""
+        episode = SandboxEpisode(self, prelude, bad)
         self._episodes.add(episode)
         return episode
 

@@ -15,6 +15,7 @@ from laminar_core import ConfigError, EnvConfig, EnvContext, StepResult, make_en
 from laminar_core import make_parser as parser
 from laminar_sandbox import IsolationUnavailable, PythonSandboxEnv, SandboxOptions, SandboxPool
 from laminar_sandbox import isolation as iso
+from laminar_sandbox.env import print_last_value
 
 
 @pytest.fixture(scope="module")
@@ -144,6 +145,66 @@ def test_cpu_limit_and_the_scientific_stack(local: None) -> None:
         assert "[CPU time limit exceeded (1 s)]" in spin.observation
     finally:
         d.close()
+
+
+def test_prelude_from_the_row_and_print_last(local: None) -> None:
+    """``prelude_key``: the row's hidden code runs before each call (in the sandbox, never
+    shown); ``print_last``: a last expression's value is printed, as Jupyter does."""
+    d = Driver(prelude_key="setup", print_last=True)
+    try:
+
+        async def go() -> list[StepResult]:
+            ep = await d.env.reset({"prompt": "p", "setup": "secret = 4821\nimport math"})
+            results = [
+                await ep.step("<code>secret</code>"),
+                await ep.step("<code>x = secret + 4\nmath.isqrt(x)  # a comment</code>"),
+                await ep.step("<code>print(secret)\nNone</code>"),
+                await ep.step("<code>1/0</code>"),
+            ]
+            await ep.close()
+            plain = await d.env.reset({"prompt": "p"})  # a row without the field
+            results.append(await plain.step("<code>'secret' in dir()</code>"))
+            await plain.close()
+            bad = await d.env.reset({"prompt": "p", "setup": 17})  # a data problem
+            results.append(await bad.step("<code>1</code>"))
+            await bad.close()
+            return results
+
+        value, expr, printed, error, plain, bad = d.run(go())
+    finally:
+        d.close()
+    assert value.observation == "\n<interpreter>\n4821\n</interpreter>\n", value
+    assert "\n69\n" in expr.observation and "error" not in expr.info
+    assert printed.observation == "\n<interpreter>\n4821\n</interpreter>\n"  # once; None not
+    assert "ZeroDivisionError" in error.observation and error.info["error"] == "exception"
+    assert "\nFalse\n" in plain.observation
+    assert "the task's prelude (row field 'setup', env.options.prelude_key) is a int" in (
+        bad.observation
+    )
+    assert bad.info["error"] == "prelude" and not bad.done
+
+
+SHOW = "__laminar_v is None or print(repr(__laminar_v))"
+
+
+@pytest.mark.parametrize(
+    ("code", "expected"),
+    [
+        ("x", f"__laminar_v = (x); {SHOW}"),
+        ("(x)", f"__laminar_v = ((x)); {SHOW}"),
+        ("a = 1; a + 1  # c", f"a = 1; __laminar_v = (a + 1); {SHOW}  # c"),
+        ("f(\n  1)\n", f"__laminar_v = (f(\n  1)); {SHOW}\n"),
+        ("print(x)", "print(x)"),
+        ("x = 1", "x = 1"),
+        ("for i in r:\n    i", "for i in r:\n    i"),
+        ("1 +", "1 +"),
+        ("", ""),
+    ],
+)
+def test_print_last_rewrites_only_a_last_expression(code: str, expected: str) -> None:
+    out = print_last_value(code)
+    assert out == expected
+    assert out.count("\n") == code.count("\n")  # line numbers kept
 
 
 def test_options_are_validated_from_config() -> None:
