@@ -92,7 +92,9 @@ def collate(trajs: list[Trajectory], index: list[int], pad_id: int) -> MicroBatc
         ids[r, : len(s)] = torch.tensor(s)
         attn[r, : len(s)] = 1
         p, n = len(t.prompt_ids), len(t.response_ids)
-        mask[r, p - 1 : p - 1 + n] = 1.0  # column j predicts token j + 1
+        # column j predicts token j + 1; only tokens the model generated count (a tool's
+        # output appended between turns has ``loss_mask`` 0)
+        mask[r, p - 1 : p - 1 + n] = torch.tensor(t.response_mask(), dtype=torch.float32)
         behaviour[r, p - 1 : p - 1 + n] = torch.tensor(t.logprobs, dtype=torch.float32)
     return MicroBatch(ids, attn, ids[:, 1:].clone(), mask, behaviour, list(index))
 

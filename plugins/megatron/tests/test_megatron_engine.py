@@ -255,12 +255,33 @@ async def _one_process(tiny: str, ckpt_tp2: str, work: str) -> dict:
         await eng.close()
     for mode in ("none", "full", "selective"):
         out[mode] = await _saved_bytes(tiny, mode)
+    # multi-turn: tokens with loss mask 0 (a tool's output) count for nothing
+    for name, garbage in (("plain", None), ("masked", None), ("masked_garbage", -50.0)):
+        eng, cfg = _engine(tiny)
+        await _setup(eng, cfg)
+        try:
+            batch = contract_batch(128)
+            if name != "plain":
+                _mask_every_third(batch, garbage)
+            out[name] = dict(await eng.train_step(batch))
+        finally:
+            await eng.close()
     for name, build in (("llama", _tiny_llama), ("qwen3", _tiny_qwen3)):
         path = build(os.path.join(work, name))
         out[name] = await check_trainer_engine(
             "megatron", path, os.path.join(work, f"{name}-run"), overrides=BASE
         )
     return out
+
+
+def _mask_every_third(batch, garbage: float | None) -> None:
+    """Loss mask 0 on every third response token; ``garbage``: the rollout log-prob reported
+    there (the contract says 0.0; anything must do)."""
+    for t in batch.trajectories:
+        if t.response_ids:
+            t.loss_mask = [0 if j % 3 == 2 else 1 for j in range(len(t.response_ids))]
+            if garbage is not None:
+                t.logprobs = [lp if m else garbage for lp, m in zip(t.logprobs, t.loss_mask)]
 
 
 def _one_process_main(tiny: str, ckpt: str, work: str, out: dict) -> None:
@@ -295,6 +316,14 @@ def test_recompute_drops_saved_activations(single):
     for other in (full, selective):  # and the maths is unchanged
         assert other[1] == pytest.approx(none[1], rel=1e-5)
         assert other[2] == pytest.approx(none[2], abs=1e-4)
+
+
+def test_loss_mask_zero_tokens_count_for_nothing(single):
+    """What the rollout reported at masked tokens moves nothing; masking changes the loss."""
+    plain, masked, garbage = single["plain"], single["masked"], single["masked_garbage"]
+    for key in ("loss", "pg_loss", "grad_norm"):
+        assert garbage[key] == pytest.approx(masked[key], rel=1e-6, abs=1e-9), key
+    assert masked["loss"] != pytest.approx(plain["loss"], rel=1e-3)
 
 
 def test_llama_and_qwen3_pass_the_contract(single):
