@@ -41,7 +41,7 @@ SMALL = [
 ]
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def small_overrides() -> list[str]:
     return list(SMALL)
 

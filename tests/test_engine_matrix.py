@@ -88,7 +88,8 @@ async def _train(resolved, steps: int):
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny", seed=0)
+    # 4 query heads in 2 KV groups: Megatron's TP=2 splits whole groups
+    return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny", seed=0, heads=4, kv_heads=2)
 
 
 @pytest.mark.parametrize("combo", list(COMBOS))

@@ -61,14 +61,13 @@ def sim_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def study_trace(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def study_trace(tmp_path_factory: pytest.TempPathFactory, small_overrides: list[str]) -> Path:
     """The directory of ``laminar simulate --trace`` for a small long-tailed study."""
-    from conftest import SMALL  # tests/ is on sys.path (pytest's rootdir conftest)
 
     d = tmp_path_factory.mktemp("study")
     cfg = d / "study.yaml"
     cfg.write_text("run: {name: study}\n")
-    argv = ["simulate", str(cfg), *SMALL, "--schedules", "laminar,sync"]
+    argv = ["simulate", str(cfg), *small_overrides, "--schedules", "laminar,sync"]
     argv += ["--trace", str(d / "trace" / "trace.json"), "--out", str(d / "rows.json")]
     assert main(argv) == 0
     return d / "trace"

@@ -225,15 +225,24 @@ class Controller:
                 if self.run_dir is not None and (
                     (every > 0 and self.step % every == 0) or (every >= 0 and self.step == steps)
                 ):
-                    await self.save_checkpoint()
+                    await self._checkpoint_or_recover()
             if self._stop.is_set() and self.run_dir is not None and self.opt.checkpoint_on_stop:
                 log.warning("stop requested: saving a checkpoint at step %s", self.step)
-                await self.save_checkpoint()
+                await self._checkpoint_or_recover()
         finally:
             await self.manager.stop()
             await self.tier.close()
             self.metrics.close()
         return self.records
+
+    async def _checkpoint_or_recover(self) -> None:
+        """``save_checkpoint``; a trainer rank that dies while saving is recovered like one
+        that dies in a step (the half-written checkpoint is never marked ``latest``, so the
+        restart goes back to the previous one and redoes the steps since)."""
+        try:
+            await self.save_checkpoint()
+        except TrainerFailure as e:
+            await self._recover_trainer(None, e)
 
     async def _one_step(self, loop: asyncio.AbstractEventLoop) -> bool:
         """One trainer step; False if it was lost with a failed trainer (recovered)."""
@@ -391,9 +400,10 @@ class Controller:
 
     # --- the trainer's failures ---------------------------------------------------------------
 
-    async def _recover_trainer(self, batch: TrainBatch, error: BaseException) -> None:
+    async def _recover_trainer(self, batch: TrainBatch | None, error: BaseException) -> None:
         """Restart the trainer group from the latest checkpoint; hand out again the prompts
-        whose updates were lost with it (trained since that checkpoint, and ``batch``)."""
+        whose updates were lost with it (trained since that checkpoint, and ``batch``, the
+        one being trained when it failed, if any)."""
         loop = asyncio.get_running_loop()
         self.trainer_restarts += 1
         limit = self.opt.max_trainer_restarts
@@ -404,7 +414,9 @@ class Controller:
             ) from error
         t0 = loop.time()
         log.warning("trainer failed (%s): restarting it from the latest checkpoint", error)
-        lost = [*self._since_checkpoint, *(g.prompt_index for g in batch.groups)]
+        lost = list(self._since_checkpoint)
+        if batch is not None:
+            lost += [g.prompt_index for g in batch.groups]
         self.trainer = await self.restart_trainer()
         where = ckpt.latest(self.run_dir) if self.run_dir is not None else None
         step, held = 0, 0

@@ -29,9 +29,11 @@ INSTRUCTION = (
     "answer, an integer, in \\boxed{{}}.\n\nProblem: {problem}"
 )
 
-#: What the tool wrote into the response (core's ``code`` parser's rendering): skipped
-#: when looking for the model's answer.
-OBSERVATION = re.compile(r"<interpreter>.*?(?:</interpreter>|\Z)", re.DOTALL)
+#: The model's code and what the tool wrote into the response (core's ``code`` parser's
+#: format): skipped when looking for the model's answer.
+OBSERVATION = re.compile(
+    r"<interpreter>.*?(?:</interpreter>|\Z)|<code>.*?(?:</code>|\Z)", re.DOTALL
+)
 _NUMBER = re.compile(r"^[+-]?\d+(?:\.0*)?$")
 
 
@@ -58,7 +60,7 @@ class RetoolMathOptions:
 
 
 class RetoolMathTask(Sequence[dict[str, Any]]):
-    """The rows of ``path``: ``{"prompt": <rendered>, "problem": ..., "answer": "42", ...}``
+    """The rows of ``path``: ``{"prompt": <rendered>, "problem": ..., "answer": 42, ...}``
     (the file's other fields are kept). A row whose answer is not an integer is an error
     naming the line, since the reward could never score it."""
 
@@ -80,7 +82,7 @@ class RetoolMathTask(Sequence[dict[str, Any]]):
             text = o.instruction.format(problem=row["problem"].strip())
             if template is not None:
                 text = template(text, o.system)
-            self.rows.append({**row, "prompt": text, "answer": str(answer), "task": self.name})
+            self.rows.append({**row, "prompt": text, "answer": answer, "task": self.name})
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -145,8 +147,9 @@ def boxed_integer(
 ) -> float:
     """1.0 when the last ``\\boxed{...}`` the model wrote is ``row[key]`` as an integer.
 
-    The tool's output (``<interpreter>...</interpreter>``) is skipped: a boxed value the code
-    printed is not the model's answer. Otherwise ``tool_credit`` when the trajectory called
+    The model's code (``<code>...</code>``) and the tool's output
+    (``<interpreter>...</interpreter>``) are skipped: a boxed value the code prints is not
+    the model's answer. Otherwise ``tool_credit`` when the trajectory called
     the tool (``row["env"]["tool_calls"]``: ReTool nudges towards tool use this way), else 0.
     """
     boxed = last_boxed(OBSERVATION.sub("", response))

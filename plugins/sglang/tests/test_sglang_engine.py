@@ -328,7 +328,7 @@ def test_weight_updates_load_exactly_the_new_weights(rt, engine, hf, tmp_path):
 
 
 # -- two engines ---------------------------------------------------------------------------
-def test_conformance_kit(rt, engines, monkeypatch):
+def test_conformance_kit(rt, engines, model_dir, monkeypatch):
     a, b = engines
 
     async def started() -> None:  # the module's fixture starts and stops them
@@ -340,7 +340,11 @@ def test_conformance_kit(rt, engines, monkeypatch):
     by_name = {"contract-a": a, "contract-b": b}
     rt.run(
         check_rollout_engine(
-            lambda name: by_name[name], prompt_ids=PROMPTS[0], max_tokens=16, expect_partial=True
+            lambda name: by_name[name],
+            prompt_ids=PROMPTS[0],
+            max_tokens=16,
+            expect_partial=True,
+            model_dir=model_dir,  # the kit checks weight loading and log-probs against it
         )
     )
 
