@@ -105,6 +105,9 @@ def test_combination_trains_and_agrees_on_logprobs(combo, model, ray_cluster, tm
     assert set(pulls) == {"r0", "r1"} and all(max(v) >= 2 for v in pulls.values()), pulls
     gaps = [r["logprob_abs_diff_max"] for r in rows if "logprob_abs_diff_max" in r]
     assert gaps, "no trajectory of the trainer's current version was trained on"
+    wall = rows[-1]["wall_seconds"]
+    # the matrix's figures (pytest -rP shows them): log-prob gap, steps/s after start-up
+    print(f"{combo}: logprob gap max {max(gaps):.2e}, {len(rows) / wall:.2f} steps/s")
     assert max(gaps) < 1e-4, gaps
     if combo == "megatron+sglang":  # a resumed run continues from the checkpoint's step
         step2 = run_dir / "checkpoints" / "step_000002"

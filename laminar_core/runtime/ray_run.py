@@ -39,7 +39,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from laminar_core.config.loader import ResolvedConfig
-from laminar_core.interfaces import RolloutEngine, WeightTransport, build
+from laminar_core.interfaces import RolloutEngine, TrainerFailure, WeightTransport, build
 from laminar_core.loop.trainer_group import TrainerGroup
 from laminar_core.models import model_dir
 from laminar_core.relay.node import NodeRelay
@@ -515,7 +515,15 @@ class RayRuntime:
             self._kill(handle)
             raise
         relay.rebind(handle)
-        await run.tier.rejoin(relay)
+        try:
+            await run.tier.rejoin(relay)
+        except TrainerFailure as e:
+            # the push endpoint lives on trainer rank 0 and died with it: the relay itself
+            # is up, and the restarted trainer reconnects to the chain (``reopen_push``)
+            # and publishes its restored weights as a new version, which reaches it then
+            log.warning(
+                "relay %s: rejoined without catch-up, the trainer is down (%s)", relay_id, e
+            )
 
     async def restart_trainer(self, run: Run) -> TrainerGroup:
         """Every rank killed and started again in its bundle, set up (not restored)."""

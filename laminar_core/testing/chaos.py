@@ -222,7 +222,8 @@ async def run_with_faults(
         await run.close()
     _measure(outcomes, read_events(run_dir), records, counts)
     audit = audit_run(run_dir)
-    return ChaosResult(run_dir, len(records), outcomes, audit, seen_pids, seen_shm)
+    # the step the run reached (records also hold steps redone after a trainer restart)
+    return ChaosResult(run_dir, run.controller.step, outcomes, audit, seen_pids, seen_shm)
 
 
 def _measure(
@@ -234,8 +235,16 @@ def _measure(
     """Fill each outcome's detection / recovery times and throughput from the events."""
     for i, out in enumerate(outcomes):
         nxt = outcomes[i + 1].killed_at if i + 1 < len(outcomes) else float("inf")
-        after = [e for e in events if out.killed_at <= e["t"] < nxt]
         kind = out.fault.kind
+        if kind in ("node", "join"):
+            # a node's parts fail and recover together: all of it, up to the next fault
+            after = [e for e in events if out.killed_at <= e["t"] < nxt]
+        else:
+            # one part: its own first failure and recovery, even when a later fault was
+            # injected while it was coming back (a replica restart outlasts a step or two)
+            after = [e for e in events if out.killed_at <= e["t"]]
+            if kind in ("replica", "engine"):
+                after = [e for e in after if e.get("actor") == f"r{out.fault.index}"]
         det = [e for e in after if e["kind"] in _DETECTED[kind]]
         rec = [e for e in after if e["kind"] in _RECOVERED[kind]]
         if det:
@@ -243,7 +252,7 @@ def _measure(
             start = first["t"] - (first["duration"] if first["kind"] == "trainer_restart" else 0)
             out.detected_after_s = start - out.killed_at
         if rec:
-            out.recovered_after_s = rec[-1]["t"] - out.killed_at
+            out.recovered_after_s = (rec[-1] if kind == "node" else rec[0])["t"] - out.killed_at
         end_counts = (
             (outcomes[i + 1].redirected, outcomes[i + 1].restarted)
             if i + 1 < len(outcomes)
