@@ -82,6 +82,14 @@ def laminar_rollout_engines():
 '''
 
 
+def guide_section(heading: str) -> str:
+    """The guide's text from ``heading`` to the next ``## `` heading (each example's files
+    are read from its own section: the guide has more than one ``pyproject.toml``)."""
+    text = GUIDE.read_text()
+    assert heading + "\n" in text, f"docs/plugins.md has no section {heading!r}"
+    return text.split(heading + "\n", 1)[1].split("\n## ", 1)[0]
+
+
 def _dist(site: Path, name: str, entry_points: dict[str, str]) -> None:
     """What ``pip install`` leaves for ``importlib.metadata``: a dist-info directory."""
     info = site / f"{name.replace('-', '_')}-0.1.0.dist-info"
@@ -96,7 +104,7 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """The guide's files, written out as the reader would, plus the test plugins, on
     ``sys.path`` with their distributions' entry points."""
     site = tmp_path_factory.mktemp("site")
-    files = dict(_FILE_BLOCK.findall(GUIDE.read_text()))
+    files = dict(_FILE_BLOCK.findall(guide_section("## A complete example: laminar-hfgen")))
     assert {"pyproject.toml", "laminar_hfgen/engine.py", "tests/test_hfgen.py"} <= set(files)
     for rel, body in files.items():
         path = site / "laminar-hfgen" / rel

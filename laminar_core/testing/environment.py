@@ -6,6 +6,10 @@ import asyncio
 import copy
 import inspect
 import json
+import os
+import sys
+import threading
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -33,6 +37,7 @@ async def check_environment(
     concurrency: int = 4,
     leftovers: Callable[[], Any] | None = None,
     grace_s: float = 60.0,
+    max_block_s: float = 0.5,
 ) -> None:
     """Drive an environment through its lifecycle and check the contract.
 
@@ -50,7 +55,9 @@ async def check_environment(
     ``finish == "max_turns"``; stepping a done episode raises ``RuntimeError``; ``close`` is
     idempotent; ``concurrency`` episodes step at once; the row is not modified; ``close`` of
     the environment ends an episode still open; no call hangs (each within ``timeout_s +
-    grace_s``). Raises ``AssertionError`` naming the broken rule.
+    grace_s``); ``reset`` and ``step`` never hold the event loop longer than ``max_block_s``
+    at a time (the rollout manager, heartbeats and every other episode share that loop).
+    Raises ``AssertionError`` naming the broken rule.
     """
     if isinstance(parser, str):
         from laminar_core.envs import make_parser
@@ -62,18 +69,29 @@ async def check_environment(
         env = await env
     assert isinstance(env, Environment), f"make_env built {type(env).__name__}, not Environment"
     limit = timeout_s + grace_s
+    watch = _LoopWatch(max_block_s)
 
-    async def within(aw: Awaitable[Any], what: str) -> Any:
+    async def within(aw: Awaitable[Any], what: str, watched: bool = False) -> Any:
         task = asyncio.ensure_future(aw)
+        if watched:
+            watch.arm()
         done, _ = await asyncio.wait({task}, timeout=limit)
+        held, where = watch.disarm() if watched else (0.0, None)
         if not done:
             task.cancel()
             raise AssertionError(f"{what} did not return within {limit:.0f} s")
+        if where is not None:
+            raise AssertionError(
+                f"{what} held the event loop for {held:.2f} s without yielding (at {where}): "
+                "the environment blocks the event loop (the rollout manager, heartbeats and "
+                "every other episode stop meanwhile); await slow work off the loop "
+                "(asyncio.to_thread, an asyncio subprocess, an async HTTP client)"
+            )
         return task.result()
 
     async def step(ep: Episode, text: str, what: str) -> StepResult:
         try:
-            result = await within(ep.step(text), what)
+            result = await within(ep.step(text), what, watched=True)
         except AssertionError:
             raise
         except Exception as e:
@@ -85,6 +103,7 @@ async def check_environment(
         return result
 
     await within(env.start(), "start()")
+    watch.start()
     try:
         assert isinstance(env.stop, tuple), "Environment.stop must be a tuple of str"
         assert all(isinstance(s, str) and s for s in env.stop), f"bad stop strings {env.stop!r}"
@@ -94,14 +113,17 @@ async def check_environment(
         original = copy.deepcopy(row)
 
         # 1. a tool turn, then the answer
-        ep = await within(env.reset(row), "reset(row)")
+        ep = await within(env.reset(row), "reset(row)", watched=True)
         assert isinstance(ep, Episode), f"reset() returned {type(ep).__name__}, not an Episode"
         r = await step(ep, tool_turn, "step(tool_turn)")
         assert not r.done, f"a tool call ended the episode: {r}"
         assert r.observation, "a tool call gave an empty observation"
         assert ep.turns == 1, f"after one tool turn, Episode.turns is {ep.turns}"
         r = await step(ep, answer_turn, "step(answer_turn)")
-        assert r.done, f"a turn with no tool call did not end the episode: {r}"
+        assert r.done, (
+            f"a turn with no tool call did not end the episode: {r} (a turn the parser finds "
+            "no call in is the model's answer: return done=True, info finish='answer')"
+        )
         assert r.info.get("finish") == "answer", f"finish is not 'answer': {r.info}"
         try:
             await within(ep.step(tool_turn), "step() after done")
@@ -118,7 +140,11 @@ async def check_environment(
             r = await step(ep, tool_turn, f"tool turn {i + 1} of max_turns={max_turns}")
             assert not r.done, f"tool turn {i + 1} of max_turns={max_turns} ended the episode"
         r = await step(ep, tool_turn, "the tool turn after max_turns")
-        assert r.done, f"the tool call after max_turns={max_turns} did not end the episode"
+        assert r.done, (
+            f"the tool call after max_turns={max_turns} did not end the episode: {r} (once "
+            "Episode.turns == ctx.max_turns, the next tool call is not run: return done=True, "
+            "info finish='max_turns')"
+        )
         assert r.info.get("finish") == "max_turns", f"finish is not 'max_turns': {r.info}"
         assert ep.turns == max_turns, f"Episode.turns is {ep.turns}, not max_turns={max_turns}"
         await ep.close()
@@ -147,6 +173,7 @@ async def check_environment(
         results = await within(
             asyncio.gather(*(ep.step(tool_turn) for ep in eps)),
             f"{concurrency} concurrent step(tool_turn)",
+            watched=True,
         )
         for i, r in enumerate(results):
             _check_result(r, f"concurrent episode {i}")
@@ -154,14 +181,90 @@ async def check_environment(
         for ep in eps:
             await ep.close()
 
-        assert row == original, "the environment modified the prompt row"
+        assert row == original, (
+            "the environment modified the prompt row (the row is the prompt's, read by the "
+            "reward and the other samples: copy what you change)"
+        )
         # 6. an episode left open is ended by the environment's close
         await env.reset(row)
     finally:
+        watch.stop()
         await within(env.close(), "Environment.close()")
     if leftovers is not None:
         left = leftovers()
         assert not left, f"left behind after close(): {left!r}"
+
+
+class _LoopWatch:
+    """Finds code that holds the event loop: a ticker on the loop notes each tick, and a
+    watchdog thread, when the loop has not ticked for ``max_block_s``, looks at what the
+    loop's thread is running. Only a callback's code counts (a step coroutine in
+    ``time.sleep``, say); a loop that waits in ``select`` is slow, not blocked (a loaded
+    machine), and is not reported."""
+
+    TICK_S = 0.005
+
+    def __init__(self, max_block_s: float) -> None:
+        self.max_block_s = max_block_s
+        self._task: asyncio.Task[None] | None = None
+        self._thread: threading.Thread | None = None
+        self._stopped = threading.Event()
+        self._loop_thread = 0
+        self._armed = False
+        self._last = 0.0
+        self._worst = 0.0
+        self._where: str | None = None
+
+    def start(self) -> None:
+        self._loop_thread = threading.get_ident()
+        self._last = time.monotonic()
+        self._task = asyncio.ensure_future(self._tick())
+        self._thread = threading.Thread(target=self._watch, name="loop-watch", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        if self._task is not None:
+            self._task.cancel()
+
+    def arm(self) -> None:
+        self._worst, self._where = 0.0, None
+        self._last = time.monotonic()
+        self._armed = True
+
+    def disarm(self) -> tuple[float, str | None]:
+        """The longest time the loop went without a tick, and where a callback held it."""
+        self._armed = False
+        return max(self._worst, time.monotonic() - self._last), self._where
+
+    async def _tick(self) -> None:
+        while True:
+            await asyncio.sleep(self.TICK_S)
+            now = time.monotonic()
+            if self._armed:
+                self._worst = max(self._worst, now - self._last)
+            self._last = now
+
+    def _watch(self) -> None:
+        while not self._stopped.wait(self.max_block_s / 4):
+            stuck = time.monotonic() - self._last > self.max_block_s
+            if self._armed and self._where is None and stuck:
+                self._where = _callback_frame(sys._current_frames().get(self._loop_thread))
+
+
+def _callback_frame(frame: Any) -> str | None:
+    """``file:line (function)`` of the innermost non-asyncio frame of the callback the loop
+    runs, or ``None`` when the loop runs none (it waits for events)."""
+    inner = None
+    while frame is not None:
+        path = frame.f_code.co_filename
+        in_asyncio = f"{os.sep}asyncio{os.sep}" in path
+        if in_asyncio and frame.f_code.co_name == "_run" and path.endswith("events.py"):
+            return inner  # Handle._run: a callback (a task's step) is running
+        if inner is None and not in_asyncio:
+            inner = f"{path}:{frame.f_lineno} ({frame.f_code.co_name})"
+        frame = frame.f_back
+    return None
 
 
 def _check_result(r: Any, what: str) -> None:
