@@ -86,13 +86,20 @@ def init_ray(resolved: ResolvedConfig, needed_cpus: float) -> bool:
     if rt.address:
         ray.init(address=rt.address, **kwargs)
         return False
-    # A cluster of our own: token authentication on (Ray's default for a new local
-    # cluster), set explicitly so Ray does not print a notice about choosing it.
-    os.environ.setdefault("RAY_AUTH_MODE", "token")
     cpus = rt.num_cpus or max(int(needed_cpus + 0.999), os.cpu_count() or 1)
-    # address="local": a cluster of its own, even if another one on this machine left its
-    # address in /tmp/ray (ray.init() would try to join that one)
-    ray.init(address="local", num_cpus=cpus, include_dashboard=False, **kwargs)
+    # A cluster of our own has token authentication on (Ray's default for a new local
+    # cluster); Ray says so in a warning, which is noise here. Not by setting RAY_AUTH_MODE:
+    # Ray reads it when it is imported, so setting it now would leave this driver without
+    # the token its own cluster then asks for.
+    notice = logging.getLogger("ray._private.authentication.authentication_token_setup")
+    level = notice.level
+    notice.setLevel(logging.ERROR)
+    try:
+        # address="local": a cluster of its own, even if another one on this machine left
+        # its address in /tmp/ray (ray.init() would try to join that one)
+        ray.init(address="local", num_cpus=cpus, include_dashboard=False, **kwargs)
+    finally:
+        notice.setLevel(level)
     return True
 
 
