@@ -43,6 +43,11 @@ def test_code_parser_reads_retool_blocks() -> None:
     # bare body, two blocks, and a block cut at the stop string (no closing tag)
     calls = p.parse("<code>x = 1</code> then <code>print(x)")
     assert [c.arguments["code"] for c in calls] == ["x = 1", "print(x)"]
+    # a turn decoded from token ids can end in part of the stop string: it is not code
+    for cut in ("</code", "</cod", "</"):
+        (call,) = p.parse(f"<code>print(y){cut}")
+        assert call.arguments["code"] == "print(y)", cut
+    assert p.parse("<code>a = '</b'")[0].arguments["code"] == "a = '</b'"
     assert p.parse("The answer is \\boxed{42}.") == []
     assert p.stop == ("</code>",)
     assert p.format_response("42") == "\n<interpreter>\n42\n</interpreter>\n"

@@ -36,8 +36,16 @@ def _template(template: str, where: str) -> str:
 
 
 def _tagged(text: str, tag: str) -> list[re.Match[str]]:
-    """``<tag>body</tag>`` spans, plus an unclosed ``<tag>body`` at the end of the text."""
-    return list(re.finditer(rf"<{tag}>(.*?)(?:</{tag}>|\Z)", text, re.DOTALL))
+    """``<tag>body</tag>`` spans, plus an unclosed ``<tag>body`` at the end of the text.
+
+    An unclosed body loses a cut-off closing tag at its end (``</code``): a turn that ended
+    at the stop string ``</tag>`` can carry part of it, e.g. when its text is decoded from
+    the engine's token ids (the engine's stop check runs on text, not on token bounds).
+    """
+    close = f"</{tag}>"
+    partial = "|".join(re.escape(close[:k]) for k in range(len(close) - 1, 1, -1))
+    pattern = rf"<{tag}>(.*?)(?:{re.escape(close)}|(?:{partial})?\Z)"
+    return list(re.finditer(pattern, text, re.DOTALL))
 
 
 class CodeBlockParser(ToolCallParser):

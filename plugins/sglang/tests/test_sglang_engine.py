@@ -334,7 +334,14 @@ def test_conformance_kit(rt, engines, model_dir, monkeypatch):
     async def started() -> None:  # the module's fixture starts and stops them
         return None
 
+    # The kit expects fresh engines serving model_dir; earlier tests in this module loaded
+    # other weights into these, so both get model_dir's weights back, at one version.
+    from transformers import AutoModelForCausalLM
+
+    fresh = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    version = 1 + max(rt.run(e.stats()).version for e in (a, b))
     for eng in (a, b):
+        rt.run(eng.update_weights(TensorWeights(version, list(fresh.named_parameters()))))
         monkeypatch.setattr(eng, "start", started)
         monkeypatch.setattr(eng, "stop", started)
     by_name = {"contract-a": a, "contract-b": b}
