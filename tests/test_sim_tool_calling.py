@@ -11,11 +11,13 @@ from test_study import EXACT
 from laminar_core import load_config
 from laminar_core.config.schema import EnvConfig
 from laminar_core.envs.build import make_environment
+from laminar_core.loop.dispatch import load
 from laminar_core.loop.episodes import Episodes
+from laminar_core.loop.manager import ReplicaSlot
 from laminar_core.sim.clock import run_virtual
 from laminar_core.sim.config import SimRolloutConfig
 from laminar_core.sim.rollout import SimLedger, SimRolloutEngine
-from laminar_core.sim.study import simulate_schedule
+from laminar_core.sim.study import format_table, simulate_schedule
 from laminar_core.sim.tools import SimToolOptions, ToolPlan
 from laminar_core.types import GenerationRequest, SamplingParams
 
@@ -223,6 +225,20 @@ def test_study_runs_every_schedule_on_tool_calling(kv: str) -> None:
             assert row["tool_kv_hit_share"] == 0
     assert rows[("sync", "none")]["staleness_max"] == 0
     assert rows[("one_step", "none")]["staleness_max"] <= 1
+
+
+def test_dispatch_counts_trajectories_waiting_on_their_tool() -> None:
+    slot = ReplicaSlot("r0", 0, None, None)  # type: ignore[arg-type]
+    slot.inflight = {"a"}
+    slot.tooling = {"b", "c"}  # their tools run: no batch slot, but they come back here
+    assert load(slot) == 3
+
+
+def test_study_table_shows_tool_columns() -> None:
+    row = simulate_schedule(load_config(None, SMALL), "one_step")
+    assert "tools/traj" in format_table([row])
+    plain = simulate_schedule(load_config(None, EXACT), "one_step")
+    assert "tools/traj" not in format_table([plain]) and plain["tool_calls_per_trajectory"] == 0
 
 
 def test_tool_calling_is_deterministic_per_seed() -> None:

@@ -469,6 +469,13 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         ("sim_seconds", "sim s", "{:,.0f}"),
         ("wall_seconds", "wall s", "{:.1f}"),
     ]
+    if any(r.get("tool_calls_per_trajectory") for r in rows):  # a tool-calling workload
+        cols[-2:-2] = [
+            ("tool_calls_per_trajectory", "tools/traj", "{:.2f}"),
+            ("tool_latency_p50_s", "tool p50 s", "{:.1f}"),
+            ("tool_latency_p99_s", "tool p99 s", "{:.1f}"),
+            ("tool_kv_hit_share", "KV kept hit", "{:.0%}"),
+        ]
     if not any(r.get("point") for r in rows):
         cols = cols[1:]
     cells = [[fmt.format(r[k]) for k, _, fmt in cols] for r in rows]
