@@ -228,6 +228,7 @@ class SimRolloutEngine(RolloutEngine):
         self.tools = tools
         self._turns = ledger if ledger is not None else SimLedger()  # awaiting / parked
         self._parked: dict[str, _Req] = {}  # kept KV of trajectories whose tool runs, oldest first
+        self._plans: dict[int, tuple[list[int], list[int]]] = {}  # tool calling: per sample
         self._fail_at = [f.at_s for f in config.failures if f.replica == index]
         self._waiting: deque[_Req] = deque()
         self._prefill: deque[_Req] = deque()
@@ -637,7 +638,7 @@ class SimRolloutEngine(RolloutEngine):
         if not req.final and produced < r.sampling.max_tokens and self.tools is not None:
             # a turn that ends at a tool call: the loop runs the tool, then resumes it
             key = r.metadata.get("sample_key", 0)
-            obs = self.tools.observation_tokens(key, req.turn)
+            obs = self._turn_plan(key)[1][req.turn + 1] - req.obs_before
             self._turns.awaiting[r.traj_id] = produced + obs
             self.tool_turns += 1
             if self.cfg.tool_kv == "keep":
@@ -658,6 +659,8 @@ class SimRolloutEngine(RolloutEngine):
             finish_time=now,
             metadata={**r.metadata, "resumed_tokens": resumed_from} if resumed_from else r.metadata,
         )
+        if req.final:
+            self._plans.pop(r.metadata.get("sample_key", 0), None)
         if self.ledger is not None and req.final:
             self.ledger.finished(r.traj_id, now, produced - req.obs_before)
         if not req.future.done():
@@ -681,6 +684,19 @@ class SimRolloutEngine(RolloutEngine):
                     return r
         return None
 
+    def _turn_plan(self, key: int) -> tuple[list[int], list[int]]:
+        """Sample ``key``'s turn ends and the observation tokens before each turn (cached
+        while the trajectory is unfinished here; a pure function of the key)."""
+        plan = self._plans.get(key)
+        if plan is None:
+            assert self.tools is not None
+            ends = self.tools.turn_ends(key, self.lengths.sample(key))
+            sums = [0]
+            for j in range(len(ends) - 1):
+                sums.append(sums[-1] + self.tools.observation_tokens(key, j))
+            plan = self._plans[key] = (ends, sums)
+        return plan
+
     # -- RolloutEngine -----------------------------------------------------------------------
     async def generate(self, request: GenerationRequest) -> Trajectory:
         self._check_alive()
@@ -694,9 +710,9 @@ class SimRolloutEngine(RolloutEngine):
         if self.tools is None:
             target = min(self.lengths.sample(key), max_tokens)
         else:  # this turn ends at the first turn end past what the trajectory holds
-            ends = self.tools.turn_ends(key, self.lengths.sample(key))
+            ends, obs_sums = self._turn_plan(key)
             turn = next((j for j, e in enumerate(ends) if e > have), len(ends) - 1)
-            obs_before = sum(self.tools.observation_tokens(key, j) for j in range(turn))
+            obs_before = obs_sums[turn]
             target = min(ends[turn], max_tokens)
             final = turn == len(ends) - 1 or target >= max_tokens
         # a tool turn's resume (not a move): the trajectory comes back from its tool
