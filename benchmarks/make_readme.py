@@ -95,7 +95,9 @@ def render(parts: dict[str, Any], src: Path) -> str:
             "`one_step` = one-step off-policy, `stale:4+partial` = AReaL (bounded staleness 4 "
             "with interruptible generation); `stale:4` without partial rollout for reference. "
             "Only `laminar` repacks (`study.repack_schedules` in the YAML, the same settings "
-            "`laminar simulate` runs).",
+            "`laminar simulate` runs). The same comparison on the tool-calling workload: "
+            "`python benchmarks/schedules.py --workload tool_calling` (figures in its own "
+            "section below).",
             "",
             schedules.throughput_table(rows),
             "",

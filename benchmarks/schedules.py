@@ -7,6 +7,13 @@ settings ``laminar simulate`` runs. Prints throughput and the systems-paper metr
 schedule, and laminar's ratios next to the published ones (``benchmarks/published.py``).
 
     python benchmarks/schedules.py [--steps N] [--setups paper_7b_256gpu,...] [--json FILE]
+    python benchmarks/schedules.py --workload tool_calling [--steps N] [--scale F]
+
+``--workload tool_calling`` runs ``examples/sim/paper_7b_tool_calling.yaml`` (ReTool-style
+multi-turn trajectories with long-tailed tool latency, ``sim.tools``): the YAML's schedules
+plus laminar without repack, laminar's ratio over each, and the tool figures, next to the
+paper's 1.21x-5.42x at 7B (§8 / Fig. 12). ``--scale F`` multiplies the GPUs, the trainer's
+GPUs and the prompts per step by ``F`` (a quicker, smaller run of the same shape).
 """
 
 from __future__ import annotations
@@ -20,6 +27,10 @@ from published import PUBLISHED
 
 from laminar_core import load_config
 from laminar_core.sim.study import simulate_schedule
+
+TOOL_SETUP = "paper_7b_tool_calling"
+# Laminar §8 / Fig. 12 (reading note): tool calling (ReTool) at 7B, Laminar over the baselines
+TOOL_PUBLISHED = (1.21, 5.42)
 
 # the paper's baselines: synchronous verl, one-step off-policy, AReaL (bounded staleness with
 # partial rollout); plain stale:4 is shown for reference
@@ -149,13 +160,103 @@ def ratio_table(rows: list[dict[str, Any]]) -> str:
     )
 
 
+def run_tool_calling(steps: int, scale: float = 1.0, progress=say) -> list[dict[str, Any]]:
+    """The tool-calling setup: each schedule of its YAML, then laminar without repack."""
+    over = [f"run.steps={steps}"]
+    if scale != 1.0:
+        base = load_config(EXAMPLES / f"{TOOL_SETUP}.yaml").cfg
+        over += [
+            f"cluster.gpus={max(2, round(base.cluster.gpus * scale))}",
+            f"cluster.trainer_gpus={max(1, round(base.cluster.trainer_gpus * scale))}",
+            f"data.prompts_per_step={max(1, round(base.data.prompts_per_step * scale))}",
+        ]
+    resolved = load_config(EXAMPLES / f"{TOOL_SETUP}.yaml", over)
+    runs = [(spec, resolved) for spec in resolved.cfg.study.schedules]
+    runs.append(
+        ("laminar", load_config(EXAMPLES / f"{TOOL_SETUP}.yaml", [*over, "repack.policy=none"]))
+    )
+    rows = []
+    for spec, cfg in runs:
+        row = simulate_schedule(cfg, spec, point=TOOL_SETUP)
+        if spec == "laminar" and cfg.cfg.repack.policy == "none":
+            row["schedule"] = "laminar (no repack)"
+        rows.append(row)
+        progress(
+            f"  {TOOL_SETUP} {row['schedule']}: {row['throughput_tokens_per_s']:,.0f} tokens/s "
+            f"({row['wall_seconds']:.1f} s wall)"
+        )
+    return rows
+
+
+def tool_table(rows: list[dict[str, Any]]) -> str:
+    """Laminar vs each schedule on the tool-calling workload, with the tool figures."""
+    lam = next(r for r in rows if r["schedule"] == "laminar")["throughput_tokens_per_s"]
+    out = []
+    for r in rows:
+        t = r["throughput_tokens_per_s"]
+        out.append(
+            [
+                r["schedule"],
+                r["repack"],
+                f"{t:,.0f}",
+                "-" if r["schedule"] == "laminar" else f"{ratio(lam, t):.2f}x",
+                f"{r['tool_calls_per_trajectory']:.2f}",
+                f"{r['tool_latency_p50_s']:.1f} / {r['tool_latency_p99_s']:.1f}",
+                f"{r['tool_observation_tokens_mean']:,.0f}",
+                f"{r['tool_kv_hit_share']:.0%}",
+                f"{r['kv_use_mean']:.0%}",
+                f"{r['trajectory_latency_mean_s']:,.0f} / {r['trajectory_latency_p99_s']:,.0f}",
+                f"{r['staleness_mean']:.2f} / {r['staleness_max']}",
+                f"{r['trainer_idle_share']:.0%}",
+                f"{r['repacks']} / {r['repacked_trajectories']}",
+            ]
+        )
+    header = [
+        "schedule",
+        "repack",
+        "tok/s",
+        "laminar x",
+        "tool calls / traj",
+        "tool latency s p50 / p99",
+        "obs tokens / call",
+        "KV kept hit",
+        "KV all",
+        "latency s mean / p99",
+        "staleness mean / max",
+        "trainer idle",
+        "moves / moved",
+    ]
+    base = [
+        ratio(lam, r["throughput_tokens_per_s"])
+        for r in rows
+        if r["schedule"] in ("sync", "one_step", "stale:4", "stale:4+partial")
+    ]
+    lo, hi = TOOL_PUBLISHED
+    note = (
+        f"laminar over the baselines (sync, one_step, stale:4, stale:4+partial): "
+        f"{min(base):.2f}x-{max(base):.2f}x simulated; published at 7B (Laminar §8 / "
+        f"Fig. 12, reading note): {lo:.2f}x-{hi:.2f}x"
+    )
+    return table(out, header) + "\n" + note
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=None, help="default 10 (tool_calling: 4)")
     ap.add_argument("--setups", default=",".join(SETUPS))
+    ap.add_argument("--workload", choices=["math", "tool_calling"], default="math")
+    ap.add_argument("--scale", type=float, default=1.0, help="tool_calling: GPUs and prompts x F")
     ap.add_argument("--json", help="write all rows here")
     args = ap.parse_args()
-    rows = run(args.steps, args.setups.split(","))
+    if args.workload == "tool_calling":
+        rows = run_tool_calling(args.steps or 4, args.scale)
+        say()
+        say(tool_table(rows))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=2)
+        return
+    rows = run(args.steps or 10, args.setups.split(","))
     say()
     say(throughput_table(rows))
     say()

@@ -55,6 +55,12 @@ class Slot(Protocol):
     relay: Any
 
 
+def load(s: Slot) -> int:
+    """A replica's trajectories: in flight, plus those whose last turn ran there and whose
+    tool runs now (multi-turn: they hold no batch slot, but their next turn comes back)."""
+    return len(s.inflight) + len(getattr(s, "tooling", ()))
+
+
 class Dispatch(abc.ABC):
     """Chooses the replica for the next group (see module docstring)."""
 
@@ -120,7 +126,7 @@ class LeastLoadedDispatch(Dispatch):
         limit = self.max_concurrent - samples
         best, best_load = None, 1 << 62
         for s in open_slots.values():
-            n = len(s.inflight)
+            n = load(s)
             if n < best_load and n <= limit and s.version >= floor:
                 best, best_load = s, n
         return best
@@ -184,7 +190,7 @@ class BalancedDispatch(Dispatch):
             t = taken.get(s.replica_id, 0)
             if s.version < floor or not self.quota(t):
                 continue
-            n = len(s.inflight)
+            n = load(s)
             if n > limit:
                 capped = True  # room frees as trajectories finish: do not remember the miss
                 continue
@@ -269,7 +275,7 @@ class FairShareDispatch(Dispatch):
         taken = self._taken
         best, best_load = None, 1 << 62
         for s in open_slots.values():
-            n = len(s.inflight)
+            n = load(s)
             ok = n < best_load and n <= limit and s.version >= floor
             if ok and taken.get(s.replica_id, 0) < share:
                 best, best_load = s, n

@@ -48,6 +48,7 @@ class EpisodeState:
     length: int = 0  # response tokens up to the last observation (== len(mask) with tokens)
     turns: int = 0  # model turns ended so far
     tool_calls: int = 0
+    observation_tokens: int = 0  # appended with loss mask 0, all turns
     tool_seconds: list[float] = field(default_factory=list)
     errors: dict[str, int] = field(default_factory=dict)
     reward: float | None = None  # the environment's score, when it gives one
@@ -119,7 +120,9 @@ class Episodes:
             if self.tokenizer is not None
             else int(result.info.get("observation_tokens", 0))
         )
-        state.mask += [1] * new_count + [0] * obs_count
+        if traj.response_ids:  # without token ids (simulated engines) only counts are kept
+            state.mask += [1] * new_count + [0] * obs_count
+        state.observation_tokens += obs_count
         state.length = traj.num_response_tokens + obs_count
         versions = traj.versions or [traj.version]
         resume = PartialTrajectory(
@@ -167,6 +170,7 @@ class Episodes:
         traj.metadata["env"] = {
             "turns": state.turns,
             "tool_calls": state.tool_calls,
+            "observation_tokens": state.observation_tokens,
             "tool_seconds": state.tool_seconds,
             "errors": state.errors,
             "finish": result.info.get("finish", "answer" if result.done else "length"),

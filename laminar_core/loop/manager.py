@@ -34,7 +34,7 @@ from laminar_core.interfaces import (
     SharedVersionGone,
     WeightsRef,
 )
-from laminar_core.loop.dispatch import Dispatch
+from laminar_core.loop.dispatch import Dispatch, load
 from laminar_core.loop.episodes import EpisodeRestart, Episodes
 from laminar_core.loop.schedules import Schedule
 from laminar_core.relay.events import RelayEvent, RelayEvents
@@ -112,6 +112,9 @@ class ReplicaSlot:
     pinned: int = 0
     prev_kv: float = 1.0
     inflight: set[str] = field(default_factory=set)
+    # multi-turn: trajectories whose last turn ran here and whose tool runs now (no batch
+    # slot; counted as this replica's load by dispatch, ``loop.dispatch.load``)
+    tooling: set[str] = field(default_factory=set)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
 
 
@@ -298,7 +301,7 @@ class RolloutManager:
         orphans (a trajectory restarting from its prompt); groups go through ``dispatch``."""
         best, best_load, limit = None, 1 << 62, self.opt.max_concurrent - need
         for s in self._open.values():
-            n = len(s.inflight)
+            n = load(s)
             if n < best_load and n <= limit and s.version >= min_version:
                 best, best_load = s, n
         return best
@@ -453,17 +456,20 @@ class RolloutManager:
         slot.inflight.discard(tid)  # no batch slot held while the tool runs
         if not slot.inflight:
             slot.wake.set()  # the replica may load a newer version meanwhile
+        slot.tooling.add(tid)
         try:
             item.episode, resume = await self.episodes.after_turn(
                 item.episode, dict(item.request.metadata), traj
             )
         except EpisodeRestart as e:
+            slot.tooling.discard(tid)
             log.warning("trajectory %s starts over: %s", tid, e)
             self.restarted += 1
             self._restart_episode(item)
             self._orphans.append((item, None))
             self._kick()
             return True
+        slot.tooling.discard(tid)
         if resume is None:
             item.episode = None  # done: the episode ended with it
             return False

@@ -71,3 +71,9 @@ def laminar_tool_parsers() -> dict[str, object]:
         "code": "laminar_core.envs.parsers:CodeBlockParser",
         "tool_call": "laminar_core.envs.parsers:JsonToolCallParser",
     }
+
+
+@hookimpl
+def laminar_environments() -> dict[str, object]:
+    # the simulated sandbox (studies): long-tailed tool latency on the virtual clock
+    return {"sim_tool": "laminar_core.sim.tools:SimToolEnvironment"}

@@ -48,6 +48,13 @@ class SimRolloutConfig:
     prefix, up to ``max_num_seqs`` at once; on overflow the newest decoding request is
     preempted and recomputed later. ``prefix_caching``: samples of one prompt share
     its prefill and KV on a replica.
+
+    ``tool_kv`` (multi-turn, ``env.name: sim_tool``): what a replica does with a trajectory's
+    KV while its tool runs. ``release``: dropped when the turn ends; the next turn re-prefills
+    prompt + everything so far. ``keep``: it stays resident and counts against
+    ``kv_capacity_tokens`` (the trajectory holds no batch slot); the next turn, if it comes
+    back to this replica, prefills only the observation. Kept KV is evicted (oldest first)
+    when admission or decoding needs the room, and dropped when the replica loads new weights.
     """
 
     decode_step_s: float = 0.025
@@ -60,10 +67,13 @@ class SimRolloutConfig:
     max_num_batched_tokens: int = 16384
     prefix_caching: bool = True
     weight_load_s: float = 1.0
+    tool_kv: str = "release"
     lengths: LengthsConfig = field(default_factory=LengthsConfig)
     failures: list[FailureSpec] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        if self.tool_kv not in ("keep", "release"):
+            raise ValueError(f"tool_kv: unknown {self.tool_kv!r}; known: keep, release")
         for name in ("roofline_batch", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1 (got {getattr(self, name)})")

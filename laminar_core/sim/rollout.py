@@ -31,6 +31,17 @@ The engine also measures itself (what ``sim.study`` reports): busy time and peri
 and batch-occupancy integrals, trajectories started, resumed and preempted, prefill tokens,
 and -- in a ``SimLedger`` shared by a run's replicas -- each trajectory's latency from its
 first dispatch to its finish, wherever it was moved.
+
+**Tool calling** (``env.name: sim_tool``, ``sim.tools``): a trajectory's output is split
+into turns by the run's ``ToolPlan``; each ``generate`` call stops at the end of the current
+turn and returns (the loop's episode runs the tool, appends the observation and sends the
+next turn back as a resume). While the tool runs the trajectory is not in the engine: it
+holds no batch slot. Its KV is released with the turn (``tool_kv: release``: the next turn
+re-prefills prompt + everything so far) or kept resident, counted against the KV capacity
+(``tool_kv: keep``: the next turn on this replica prefills only the observation; kept KV is
+evicted oldest first under KV pressure and dropped when the replica loads new weights). A
+tool turn's resume is not a move: it is counted apart (``tool_resumes``,
+``tool_prefill_tokens``) and the trajectory's latency runs from its first turn to its last.
 """
 
 from __future__ import annotations
@@ -50,6 +61,7 @@ from laminar_core.interfaces import (
 )
 from laminar_core.sim.config import SimRolloutConfig
 from laminar_core.sim.lengths import LengthModel
+from laminar_core.sim.tools import ToolPlan
 from laminar_core.types import (
     EngineStats,
     FinishReason,
@@ -86,6 +98,10 @@ class SimLedger:
         self.first: dict[str, float] = {}
         self.resumed: set[str] = set()
         self.done: list[Finished] = []
+        # tool calling: the prefix each trajectory's next turn resumes from, and the replica
+        # holding its KV while its tool runs (``tool_kv: keep``)
+        self.awaiting: dict[str, int] = {}
+        self.parked: dict[str, SimRolloutEngine] = {}
 
     def submitted(self, traj_id: str, now: float, resumed: bool) -> None:
         self.first.setdefault(traj_id, now)
@@ -104,9 +120,13 @@ class _Req:
     __slots__ = (
         "admitted",
         "cache_key",
+        "cached",
+        "cached_prompt",
+        "final",
         "future",
         "heap_key",
         "kv_base",
+        "obs_before",
         "preempted",
         "prefill_left",
         "prefix",
@@ -119,6 +139,8 @@ class _Req:
         "state",
         "submit_time",
         "target",
+        "tool_resume",
+        "turn",
         "versions",
     )
 
@@ -146,6 +168,14 @@ class _Req:
         self.heap_key = -1
         self.start_p = 0.0
         self.prefill_left = 0
+        # tool calling: response tokens still resident from the previous turn (kept KV), the
+        # turn's index, observation tokens before it, and whether it is the last turn
+        self.cached = 0
+        self.cached_prompt = False
+        self.turn = 0
+        self.obs_before = 0
+        self.final = True
+        self.tool_resume = False
         self.set_prefix(prefix)
 
     def set_prefix(self, prefix: int) -> None:
@@ -177,7 +207,8 @@ class SimRolloutEngine(RolloutEngine):
                 "known: histogram, lognormal"
             )
         ledger = ctx.shared.setdefault("sim_ledger", SimLedger())
-        return cls(ctx.name, opts, lengths, index=ctx.index, ledger=ledger)
+        tools = ToolPlan.from_config(cfg)
+        return cls(ctx.name, opts, lengths, index=ctx.index, ledger=ledger, tools=tools)
 
     def __init__(
         self,
@@ -187,12 +218,17 @@ class SimRolloutEngine(RolloutEngine):
         index: int = 0,
         version: int = 0,
         ledger: SimLedger | None = None,
+        tools: ToolPlan | None = None,
     ) -> None:
         self.replica_id = replica_id
         self.cfg = config
         self.lengths = lengths
         self.version = version
         self.ledger = ledger
+        self.tools = tools
+        self._turns = ledger if ledger is not None else SimLedger()  # awaiting / parked
+        self._parked: dict[str, _Req] = {}  # kept KV of trajectories whose tool runs, oldest first
+        self._plans: dict[int, tuple[list[int], list[int]]] = {}  # tool calling: per sample
         self._fail_at = [f.at_s for f in config.failures if f.replica == index]
         self._waiting: deque[_Req] = deque()
         self._prefill: deque[_Req] = deque()
@@ -227,6 +263,12 @@ class SimRolloutEngine(RolloutEngine):
         self.resume_seconds = 0.0  # from a resume's arrival to its first new token
         self.preemptions = 0
         self.kv_peak = 0.0
+        self.tool_turns = 0  # model turns that ended at a tool call
+        self.tool_resumes = 0  # turns after a tool call started here
+        self.tool_prefill_tokens = 0  # prefill those turns computed (re-prefill, observations)
+        self.tool_kv_hits = 0  # turns that found their KV kept here
+        self.tool_kv_evictions = 0  # kept KV evicted for room
+        self.tool_kv_drops = 0  # kept KV dropped: new weights, or the turn went elsewhere
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
@@ -256,6 +298,10 @@ class SimRolloutEngine(RolloutEngine):
         self._prefill.clear()
         self._waiting.clear()
         self._heap.clear()
+        for tid in self._parked:
+            if self._turns.parked.get(tid) is self:
+                del self._turns.parked[tid]
+        self._parked.clear()
         self._mark_busy()
 
     def _check_alive(self) -> None:
@@ -327,7 +373,8 @@ class SimRolloutEngine(RolloutEngine):
             n = len(self._running)
             admitted = n or self._prefill
             cap = self.cfg.kv_capacity_tokens
-            kv0 = self._kv_tokens() if admitted else 0.0
+            held = admitted or self._parked
+            kv0 = self._kv_tokens() if held else 0.0
             if self._step_end is not None:  # a prefill step: P moves 1 per step length
                 self._p += dt / self._step_dur
             elif n and not math.isinf(self._p):
@@ -338,6 +385,7 @@ class SimRolloutEngine(RolloutEngine):
                 self.occupancy_seconds += dt * min(n, b) / b
             if admitted:
                 self.busy_seconds += dt
+            if held:
                 kv1 = self._kv_tokens()
                 if cap > 0 and not math.isinf(kv1):
                     self.kv_seconds += dt * min(1.0, (kv0 + kv1) / (2 * cap))
@@ -382,7 +430,7 @@ class SimRolloutEngine(RolloutEngine):
         p = self._p
         delay = self._time_to(p, heap[0][0]) if heap else math.inf
         cap = self.cfg.kv_capacity_tokens
-        if cap > 0 and n > 1:
+        if cap > 0 and (n > 1 or self._parked):
             # when the cache first overflows by a token (preemption then makes room)
             p_hit = (cap + 1 - self._kv_fixed + self._start_p_sum) / n
             delay = min(delay, self._time_to(p, p_hit))
@@ -467,8 +515,11 @@ class SimRolloutEngine(RolloutEngine):
         while self._waiting and len(self._running) + len(self._prefill) < self.cfg.max_num_seqs:
             req = self._waiting[0]
             prompt, ref = self._prompt_cost(req)
-            busy = self._running or self._prefill
+            busy = self._running or self._prefill or self._parked
             if busy and self._kv_tokens() + prompt + req.kv_base > cap:
+                if self._parked:  # kept KV of a waiting tool call gives way first
+                    self._evict_parked()
+                    continue
                 break  # no KV room: wait for finishes (an empty engine always admits one)
             self._waiting.popleft()
             req.seq = next(self._keys)
@@ -479,6 +530,11 @@ class SimRolloutEngine(RolloutEngine):
                 req.admitted = True
                 req.start_time = now
             prefill = prompt + req.prefix
+            if req.cached or req.cached_prompt:  # its KV was kept while its tool ran
+                prefill = (0 if req.cached_prompt else prompt) + req.prefix - req.cached
+                req.cached, req.cached_prompt = 0, False
+            if req.tool_resume and not req.preempted:
+                self.tool_prefill_tokens += max(1, prefill)
             if free_prefill:
                 p = 0.0 if math.isinf(self._p) else self._p
                 self._start_decode(req, p)
@@ -532,7 +588,10 @@ class SimRolloutEngine(RolloutEngine):
         """Preempt the most recently admitted decoding requests while the KV cache overflows
         (recompute mode: each waits at the head of the queue with what it has generated)."""
         cap = self.cfg.kv_capacity_tokens
-        while len(self._running) > 1 and self._kv_tokens() > cap + _EPS:
+        while (len(self._running) > 1 or self._parked) and self._kv_tokens() > cap + _EPS:
+            if self._parked:  # kept KV of a waiting tool call gives way first
+                self._evict_parked()
+                continue
             victim = max(self._running.values(), key=lambda r: r.seq)
             produced = self._remove(victim)
             victim.set_prefix(produced)
@@ -540,9 +599,50 @@ class SimRolloutEngine(RolloutEngine):
             self._waiting.appendleft(victim)
             self.preemptions += 1
 
+    def _park(self, req: _Req, produced: int) -> None:
+        """Keep ``req``'s KV (its prompt reference and ``produced`` tokens) while its tool
+        runs (``tool_kv: keep``)."""
+        prompt, ref = self._prompt_cost(req)
+        if ref:
+            self._prompts[req.cache_key] = self._prompts.get(req.cache_key, 0) + 1
+        self._kv_fixed += prompt + produced
+        req.kv_base = produced
+        tid = req.request.traj_id
+        self._parked[tid] = req
+        self._turns.parked[tid] = self
+
+    def _unpark(self, tid: str) -> int:
+        """Give back a kept KV; returns the response tokens it held."""
+        req = self._parked.pop(tid)
+        if self._turns.parked.get(tid) is self:
+            del self._turns.parked[tid]
+        self._release(req)
+        return req.kv_base
+
+    def _evict_parked(self) -> None:
+        self._unpark(next(iter(self._parked)))
+        self.tool_kv_evictions += 1
+
+    def drop_kept(self, tid: str) -> None:
+        """The trajectory's next turn runs elsewhere: free the KV kept for it here."""
+        if tid in self._parked and not self._dead:
+            self._advance()
+            self._unpark(tid)
+            self.tool_kv_drops += 1
+            self._admit()
+            self._reschedule()
+
     def _finish(self, req: _Req, now: float) -> None:
         produced = self._remove(req)
         r = req.request
+        if not req.final and produced < r.sampling.max_tokens and self.tools is not None:
+            # a turn that ends at a tool call: the loop runs the tool, then resumes it
+            key = r.metadata.get("sample_key", 0)
+            obs = self._turn_plan(key)[1][req.turn + 1] - req.obs_before
+            self._turns.awaiting[r.traj_id] = produced + obs
+            self.tool_turns += 1
+            if self.cfg.tool_kv == "keep":
+                self._park(req, produced)
         reason = FinishReason.LENGTH if produced >= r.sampling.max_tokens else FinishReason.STOP
         resumed_from = r.resume.num_response_tokens if r.resume is not None else 0
         traj = Trajectory(
@@ -559,8 +659,10 @@ class SimRolloutEngine(RolloutEngine):
             finish_time=now,
             metadata={**r.metadata, "resumed_tokens": resumed_from} if resumed_from else r.metadata,
         )
-        if self.ledger is not None:
-            self.ledger.finished(r.traj_id, now, produced)
+        if req.final:
+            self._plans.pop(r.metadata.get("sample_key", 0), None)
+        if self.ledger is not None and req.final:
+            self.ledger.finished(r.traj_id, now, produced - req.obs_before)
         if not req.future.done():
             req.future.set_result(traj)
 
@@ -582,28 +684,77 @@ class SimRolloutEngine(RolloutEngine):
                     return r
         return None
 
+    def _turn_plan(self, key: int) -> tuple[list[int], list[int]]:
+        """Sample ``key``'s turn ends and the observation tokens before each turn (cached
+        while the trajectory is unfinished here; a pure function of the key)."""
+        plan = self._plans.get(key)
+        if plan is None:
+            assert self.tools is not None
+            ends = self.tools.turn_ends(key, self.lengths.sample(key))
+            sums = [0]
+            for j in range(len(ends) - 1):
+                sums.append(sums[-1] + self.tools.observation_tokens(key, j))
+            plan = self._plans[key] = (ends, sums)
+        return plan
+
     # -- RolloutEngine -----------------------------------------------------------------------
     async def generate(self, request: GenerationRequest) -> Trajectory:
         self._check_alive()
         loop = asyncio.get_running_loop()
         key = request.metadata.get("sample_key", 0)
-        target = min(self.lengths.sample(key), request.sampling.max_tokens)
+        tid = request.traj_id
+        max_tokens = request.sampling.max_tokens
+        resume = request.resume
+        have = resume.num_response_tokens if resume is not None else 0
+        turn, obs_before, final = 0, 0, True
+        if self.tools is None:
+            target = min(self.lengths.sample(key), max_tokens)
+        else:  # this turn ends at the first turn end past what the trajectory holds
+            ends, obs_sums = self._turn_plan(key)
+            turn = next((j for j, e in enumerate(ends) if e > have), len(ends) - 1)
+            obs_before = obs_sums[turn]
+            target = min(ends[turn], max_tokens)
+            final = turn == len(ends) - 1 or target >= max_tokens
+        # a tool turn's resume (not a move): the trajectory comes back from its tool
+        tool_resume = resume is not None and self._turns.awaiting.pop(tid, None) == have
         prefix, versions = 0, [self.version]
-        if request.resume is not None:
-            prefix = min(request.resume.num_response_tokens, target)
-            versions = list(request.resume.versions) or [request.resume.version]
+        if resume is not None:
+            prefix = min(have, target)
+            versions = list(resume.versions) or [resume.version]
             if versions[-1] != self.version:
                 versions.append(self.version)
-            self.resumes += 1
+            if tool_resume:
+                self.tool_resumes += 1
+            else:
+                self.resumes += 1
         fut = loop.create_future()
         self._advance()
         now = self._last
-        if request.resume is None:
+        if resume is None:
             self.starts.append(now)
         if self.ledger is not None:
-            self.ledger.submitted(request.traj_id, now, request.resume is not None)
-        self._waiting.append(_Req(request, target, prefix, versions, fut, now))
+            self.ledger.submitted(tid, now, resume is not None and not tool_resume)
+        req = _Req(request, target, prefix, versions, fut, now)
+        req.turn, req.obs_before, req.final = turn, obs_before, final
+        if tool_resume:
+            req.resumed = False
+            req.tool_resume = True
+        kept = self._turns.parked.get(tid)
+        if kept is self:  # its KV stayed here while the tool ran
+            req.cached = min(self._unpark(tid), prefix)
+            req.cached_prompt = True
+            self._waiting.appendleft(req)
+        else:
+            if kept is not None:
+                kept.drop_kept(tid)
+            self._waiting.append(req)
         self._admit()
+        if req.state == _WAITING and (req.cached or req.cached_prompt):
+            # no room even for the observation: what was kept is gone (it waits like any)
+            req.cached, req.cached_prompt = 0, False
+            self.tool_kv_evictions += 1
+        elif kept is self:
+            self.tool_kv_hits += 1
         self._reschedule()
         return await fut
 
@@ -651,6 +802,12 @@ class SimRolloutEngine(RolloutEngine):
                 f"replica {self.replica_id}: update_weights with trajectories in flight would "
                 "mix weight versions inside one trajectory"
             )
+        if self._parked:  # KV computed by the old weights is worthless under the new ones
+            self._advance()
+            for tid in list(self._parked):
+                self._unpark(tid)
+                self.tool_kv_drops += 1
+            self._mark_busy()
         # a simulated engine has no parameters to overwrite: loading costs weight_load_s
         if self.cfg.weight_load_s > 0:
             await asyncio.sleep(self.cfg.weight_load_s)

@@ -64,6 +64,12 @@ RESULT_KEYS = (
     "replicas_busy_min",
     "started_per_replica_min",
     "started_per_replica_max",
+    "tool_calls_per_trajectory",
+    "tool_latency_p50_s",
+    "tool_latency_p99_s",
+    "tool_observation_tokens_mean",
+    "tool_prefill_tokens",
+    "tool_kv_hit_share",
     "sim_seconds",
     "wall_seconds",
 )
@@ -71,7 +77,11 @@ RESULT_KEYS = (
 measured after ``warmup_steps`` trainer steps (from the end of the last warm-up step to the
 end of the last step): throughput, generation, utilisation, idle shares, KV use, latency,
 staleness, moves and preemptions; the work spread (``replicas_*``, ``started_*``,
-``per_step``) covers every step, warm-up included."""
+``per_step``) covers every step, warm-up included. The ``tool_*`` figures are 0 without a
+tool-calling workload (``env.name: sim_tool``): tool calls per trajectory, the calls'
+latency p50 / p99, observation tokens per call, the prefill that turns after a tool call
+computed (re-prefill of the prefix, or only the observation where the KV was kept), and the
+share of those turns that found their KV kept (``rollout.sim.tool_kv: keep``)."""
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -89,6 +99,9 @@ _ENGINE_COUNTERS = (
     "resume_seconds",
     "preemptions",
     "tokens_generated",
+    "tool_resumes",
+    "tool_prefill_tokens",
+    "tool_kv_hits",
 )
 
 
@@ -192,6 +205,8 @@ def summarize(
     bounds = [run.controller.t_start] + [r.end for r in recs]
     spread = work_spread(engines, bounds)
     moved = run.manager.moved - warm.moved
+    tools = _tool_figures(run, post, t_begin, end)
+    tool_resumes = window("tool_resumes")
     return {
         "point": point,
         "schedule": run.schedule.name,
@@ -228,9 +243,32 @@ def summarize(
         "replicas_busy_min": min((s["replicas_busy"] for s in spread), default=0),
         "started_per_replica_min": min((s["started_min"] for s in spread), default=0),
         "started_per_replica_max": max((s["started_max"] for s in spread), default=0),
+        **tools,
+        "tool_prefill_tokens": int(window("tool_prefill_tokens")),
+        "tool_kv_hit_share": window("tool_kv_hits") / tool_resumes if tool_resumes else 0.0,
         "sim_seconds": end,
         "wall_seconds": wall,
         "per_step": spread,
+    }
+
+
+def _tool_figures(run: Run, post: list[Any], t_begin: float, end: float) -> dict[str, float]:
+    """Tool calls per trained trajectory (after the warm-up) and the latency and observation
+    length of the calls that ended in the window (``sim.tools``; zeros without one)."""
+    trajs = sum(r.trajectories for r in post)
+    per_traj = (
+        sum(r.rollout.get("tool_calls_mean", 0.0) * r.trajectories for r in post) / trajs
+        if trajs
+        else 0.0
+    )
+    env = getattr(getattr(run.manager, "episodes", None), "env", None)
+    calls = [c for c in getattr(env, "calls", []) if t_begin < c[0] <= end]
+    lat = [c[1] for c in calls]
+    return {
+        "tool_calls_per_trajectory": per_traj,
+        "tool_latency_p50_s": _percentile(lat, 0.5),
+        "tool_latency_p99_s": _percentile(lat, 0.99),
+        "tool_observation_tokens_mean": sum(c[2] for c in calls) / len(calls) if calls else 0.0,
     }
 
 
@@ -431,6 +469,13 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         ("sim_seconds", "sim s", "{:,.0f}"),
         ("wall_seconds", "wall s", "{:.1f}"),
     ]
+    if any(r.get("tool_calls_per_trajectory") for r in rows):  # a tool-calling workload
+        cols[-2:-2] = [
+            ("tool_calls_per_trajectory", "tools/traj", "{:.2f}"),
+            ("tool_latency_p50_s", "tool p50 s", "{:.1f}"),
+            ("tool_latency_p99_s", "tool p99 s", "{:.1f}"),
+            ("tool_kv_hit_share", "KV kept hit", "{:.0%}"),
+        ]
     if not any(r.get("point") for r in rows):
         cols = cols[1:]
     cells = [[fmt.format(r[k]) for k, _, fmt in cols] for r in rows]
