@@ -88,12 +88,13 @@ def _parser() -> argparse.ArgumentParser:
         help="then fit it to TASK's synthetic demonstrations (tool_calling: the tool-call "
         "format, seconds to a minute of CPU) so RL starts from a model that knows the format",
     )
-    tiny.add_argument("--warmup-steps", type=int, default=300)
+    tiny.add_argument("--warmup-steps", type=int, default=600)
     tiny.add_argument(
         "--warmup-share",
         type=float,
-        default=0.25,
-        help="tool_calling: share of demonstrations that call the tool (the rest guess)",
+        default=0.5,
+        help="tool_calling: share of demonstrations that call the tool and copy its output "
+        "(the rest guess); fewer than half and the tiny model learns no copying in 600 steps",
     )
     return p
 

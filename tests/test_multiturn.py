@@ -130,3 +130,24 @@ def test_a_masked_token_gets_no_gradient() -> None:
     grad = logprobs.grad[0]
     assert grad[1] == 0 and grad[2] == 0
     assert grad[0] != 0 and grad[3] != 0
+
+
+def test_a_turn_cut_by_the_token_budget_runs_no_tool() -> None:
+    """A turn that hit max_tokens ends the episode without a tool call: its code is
+    unfinished, and running it would pay tool credit for rambling (a reward hack seen in a
+    real run: every trajectory one unclosed, failing call)."""
+
+    async def main():
+        tok = CharTokenizer()
+        for finish, max_tokens in ((FinishReason.LENGTH, 100), (FinishReason.STOP, 3)):
+            env = Echo(EnvContext(max_turns=2))
+            eps = Episodes(env, tok, max_tokens=max_tokens)
+            await eps.start()
+            traj = _traj(tok.encode("abc"), finish)
+            state, resume = await eps.after_turn(None, {"prompt": "x"}, traj)
+            assert resume is None and state.tool_calls == 0
+            assert traj.metadata["env"]["finish"] == "length"
+            assert traj.metadata["env"]["tool_calls"] == 0 and traj.loss_mask == [1, 1, 1]
+            assert env.closed == 1
+
+    asyncio.run(main())

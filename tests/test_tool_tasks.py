@@ -17,6 +17,7 @@ from laminar_core.plugins import default_manager
 from laminar_core.tasks import DataError, build_prompts, build_reward
 from laminar_core.tasks.retool_math import RetoolMathTask, boxed_integer, last_boxed
 from laminar_core.tasks.tool_calling import (
+    ToolCallingOptions,
     ToolCallingTask,
     demonstrations,
     final_answer,
@@ -32,8 +33,10 @@ MATH = ROOT / "examples" / "data" / "retool_math.jsonl"
 
 
 def test_tool_calling_rows_hide_a_random_number_in_the_prelude() -> None:
-    task = ToolCallingTask(seed=3, size=500)
-    assert [task[i] for i in range(5)] == [ToolCallingTask(seed=3, size=500)[i] for i in range(5)]
+    task = ToolCallingTask(seed=3, size=500, digits=4)
+    assert [task[i] for i in range(5)] == [
+        ToolCallingTask(seed=3, size=500, digits=4)[i] for i in range(5)
+    ]
     rows = list(task)
     for row in rows[:50]:
         assert row["prompt"] == f"What is {row['name']}?\n"
@@ -45,7 +48,9 @@ def test_tool_calling_rows_hide_a_random_number_in_the_prelude() -> None:
         assert str(scope[row["name"]]) == row["answer"]
     assert len({r["answer"] for r in rows}) > 400  # drawn per row: nothing to memorise
     assert {r["name"] for r in rows} == set("xyz")
-    assert ToolCallingTask(seed=4)[0] != task[0]
+    assert ToolCallingTask(seed=4, digits=4)[0] != task[0]
+    # the default: one digit, what the tiny model learns to copy from the tool's output
+    assert {len(r["answer"]) for r in ToolCallingTask(size=200)} == {1}
 
 
 @pytest.mark.parametrize(
@@ -78,7 +83,8 @@ def test_tool_calling_reward_by_hand() -> None:
 
 def test_demonstrations_show_the_format_the_environment_produces() -> None:
     obs = make_parser("code").format_response
-    demos = list(itertools.islice(demonstrations(0, 0.5), 400))
+    four = ToolCallingOptions(digits=4)
+    demos = list(itertools.islice(demonstrations(0, 0.5, four), 400))
     calls = [d for d in demos if d.calls_tool]
     assert 150 < len(calls) < 250
     for d in calls:
@@ -93,7 +99,7 @@ def test_demonstrations_show_the_format_the_environment_produces() -> None:
     assert not any(d.calls_tool for d in itertools.islice(demonstrations(0, 0.0), 50))
     assert all(d.calls_tool for d in itertools.islice(demonstrations(0, 1.0), 50))
     # their own random stream: not a run's rows
-    task = ToolCallingTask(seed=0)
+    task = ToolCallingTask(seed=0, digits=4)
     numbers = {d.segments[-1][0] for d in demos}
     assert [task[i]["answer"] for i in range(4)] != [d.segments[-1][0] for d in demos[:4]]
     assert len(numbers) > 350

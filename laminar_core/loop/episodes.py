@@ -108,9 +108,14 @@ class Episodes:
         new_ids = traj.response_ids[state.length :]
         new_count = traj.num_response_tokens - state.length
         state.turns += 1
-        result = await self._step(state, self._text(new_ids))
         budget_left = self.max_tokens <= 0 or traj.num_response_tokens < self.max_tokens
-        if result.done or not budget_left or traj.finish_reason.value == "length":
+        if not budget_left or traj.finish_reason.value == "length":
+            # The turn was cut by the token budget, not ended by the model: a tool call in it
+            # is unfinished and runs nothing (running it paid tool credit for rambling code).
+            result = StepResult("", True, info={"finish": "length"})
+        else:
+            result = await self._step(state, self._text(new_ids))
+        if result.done:
             self._finish(state, traj, new_count, result)
             await self._close(state.episode)
             return state, None

@@ -7,21 +7,27 @@ to read it and then answer with it::
 
     What is x?                             <- prompt
     <code>print(x)</code>                  <- the model's tool call
-    <interpreter>\\n4821\\n</interpreter>    <- the tool's output (loss mask 0)
-    4821<eos>                              <- the model's answer
+    <interpreter>\\n7\\n</interpreter>       <- the tool's output (loss mask 0)
+    7<eos>                                 <- the model's answer
 
-The number is drawn per row (``digits`` long), so it cannot be memorised: guessing it is a
-``10**-digits`` chance. The reward (:func:`tool_calling_reward`) is 1 for the right final
-answer, with ``tool_credit`` of partial credit for a trajectory that called the tool and
-answered wrong (ReTool's reward nudges towards tool calls the same way).
+The number is drawn per row (``digits`` long, 1 by default), so it cannot be memorised:
+guessing it is a ``10**-digits`` chance. One digit is what the 0.3M-parameter tiny model
+learns to copy from the tool's output in a warm start of a minute (measured: 600 steps at
+``tool_share`` 0.5 copy 1 digit every time; 4 digits were not copied after 3000 steps at
+``tool_share`` 1.0, since copying several digits needs an induction circuit the tiny model
+does not form that fast). Bigger models: raise ``digits``.
+
+The reward (:func:`tool_calling_reward`) is 1 for the right final answer, with
+``tool_credit`` of partial credit for a trajectory that called the tool and answered wrong
+(ReTool's reward nudges towards tool calls the same way).
 
 Learnable from scratch? A random-init char model practically never writes ``<code>`` by
-chance, so ``laminar tiny-model DIR --warmup tool_calling`` first fits the model, in well
-under a minute of CPU, to synthetic demonstrations (:func:`demonstrations`: their own
-random numbers, a separate random stream from any run's rows) of which only a share
-(``tool_share``) call the tool; the rest answer with a guess. The RL run thus starts from a
-model that knows the format and calls the tool some of the time, and learns that calling
-it is what pays (ReTool's recipe: a cold-start SFT, then RL).
+chance, so ``laminar tiny-model DIR --warmup tool_calling`` first fits the model, in about a
+minute of CPU, to synthetic demonstrations (:func:`demonstrations`: their own random
+numbers, a separate random stream from any run's rows) of which only a share
+(``tool_share``, half by default) call the tool and copy its output; the rest answer with a
+guess. The RL run thus starts from a model that knows the format and calls the tool some of
+the time, and learns that calling it is what pays (ReTool's recipe: a cold-start SFT, then RL).
 
 Rows are a pure function of ``(seed, index)``: the same options give the same dataset.
 """
@@ -51,7 +57,7 @@ class ToolCallingOptions:
 
     seed: int = 0
     size: int = 10_000
-    digits: int = 4
+    digits: int = 1
     names: str = "xyz"
     prompt: str = "What is {name}?\n"
 
