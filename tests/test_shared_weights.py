@@ -5,6 +5,7 @@ its event stream and hands out those references."""
 from __future__ import annotations
 
 import asyncio
+import os
 import pickle
 
 import pytest
@@ -20,6 +21,8 @@ from laminar_core.relay.shm import (
     SharedWeights,
     relay_dir,
     remove_shared,
+    run_dir_name,
+    sweep_orphans,
 )
 
 COMMITTED, SHARED = RelayEventKind.COMMITTED, RelayEventKind.SHARED
@@ -164,3 +167,23 @@ def test_a_driver_side_relay_hands_out_its_buckets() -> None:
         assert_weights(dict(got), 4)
 
     asyncio.run(main())
+
+
+def test_a_dead_drivers_run_directory_is_swept_and_a_live_ones_kept(tmp_path) -> None:
+    """A driver killed with kill -9 leaves its run directory; the next run removes it."""
+    import subprocess
+
+    dead = subprocess.Popen(["sleep", "60"])
+    dead.kill()
+    dead.wait()
+    names = {
+        "dead": run_dir_name("quick-start", dead.pid, 0, "ab12cd"),
+        "live": run_dir_name("quick-start", os.getpid(), 0, "ef34ab"),
+        "other": "not-a-run",
+    }
+    for name in names.values():
+        (tmp_path / name / "relay0").mkdir(parents=True)
+        (tmp_path / name / "relay0" / "v1.bin").write_bytes(b"x")
+    assert sweep_orphans(tmp_path) == [names["dead"]]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([names["live"], "not-a-run"])
+    assert sweep_orphans(tmp_path / "absent") == []

@@ -107,6 +107,36 @@ def remove_shared(root: str | os.PathLike, relay_id: int) -> None:
         Path(root).rmdir()
 
 
+def run_dir_name(run: str, pid: int, serial: int, tag: str) -> str:
+    """A run's directory under the shm root: run-unique, and it names the driver's pid so
+    that :func:`sweep_orphans` can tell a dead run's directory from a live one's."""
+    return f"{run}-{pid}-{serial}-{tag}"
+
+
+def sweep_orphans(shm_dir: str | os.PathLike) -> list[str]:
+    """Delete the run directories under ``shm_dir`` whose driver process is gone (a driver
+    killed with ``kill -9`` cannot delete its own); returns their names. A directory whose
+    name does not parse, or whose pid is alive (maybe another run's), is left alone."""
+    removed: list[str] = []
+    root = Path(shm_dir)
+    if not root.is_dir():
+        return removed
+    for d in root.iterdir():
+        parts = d.name.rsplit("-", 3)
+        if len(parts) != 4 or not parts[1].isdigit() or not d.is_dir():
+            continue
+        try:
+            os.kill(int(parts[1]), 0)
+            continue  # alive (or a pid reused by another process): not ours to delete
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue  # alive, another user's
+        shutil.rmtree(d, ignore_errors=True)
+        removed.append(d.name)
+    return removed
+
+
 def load_shared(
     root: str | os.PathLike, relay_id: int, retries: int = 3, version: int | None = None
 ) -> tuple[WeightManifest, Iterator[tuple[str, torch.Tensor]]]:

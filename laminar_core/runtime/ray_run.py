@@ -43,6 +43,7 @@ from laminar_core.interfaces import RolloutEngine, TrainerFailure, WeightTranspo
 from laminar_core.loop.trainer_group import TrainerGroup
 from laminar_core.models import model_dir
 from laminar_core.relay.node import NodeRelay
+from laminar_core.relay.shm import run_dir_name, sweep_orphans
 from laminar_core.relay.tier import RelayTier
 from laminar_core.runtime.hosts import RolloutHost, TrainerHost
 from laminar_core.runtime.proxies import RayRolloutEngine, RayTrainerGroup, RemotePush
@@ -337,7 +338,9 @@ class RayRuntime:
             )
             return tier, relays
         # run-unique, so two runs on one node never share (or delete) each other's versions
-        name = f"{cfg.run.name}-{os.getpid()}-{next(_runs)}-{uuid.uuid4().hex[:6]}"
+        for orphan in sweep_orphans(cfg.relay.shm_dir):
+            log.info("removed %s/%s: a dead run's shared weights", cfg.relay.shm_dir, orphan)
+        name = run_dir_name(cfg.run.name, os.getpid(), next(_runs), uuid.uuid4().hex[:6])
         self.shm_root = str(Path(cfg.relay.shm_dir) / name)
         for i, node_id in enumerate(node_ids):  # relay i is chain rank i + 1
             relay = spawn_relay(
