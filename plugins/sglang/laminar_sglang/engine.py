@@ -282,8 +282,10 @@ class SGLangRolloutEngine(RolloutEngine):
             self._stopping = True  # the channel closing from now on is the host exiting as asked
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._call("stop"), _STOP_WAIT_S)
+            proc = self._proc  # None once a failed start was abandoned meanwhile
             with contextlib.suppress(subprocess.TimeoutExpired):
-                await asyncio.to_thread(self._proc.wait, _STOP_WAIT_S)
+                if proc is not None:
+                    await asyncio.to_thread(proc.wait, _STOP_WAIT_S)
         self._dead = self._dead or "stopped"
         await self._kill_host()
         if self._reading is not None:

@@ -27,6 +27,7 @@ import shutil
 import socket
 import sys
 import traceback
+from pathlib import Path
 from typing import Any
 
 from laminar_sglang import channel, loader
@@ -38,6 +39,7 @@ class _Host:
         self.engine: Any = None
         self.aborted: set[str] = set()
         self.tasks: set[asyncio.Task] = set()
+        self.semaphores_before: set[str] = set()
 
     async def run(self) -> None:
         self.reader, self.writer = await asyncio.open_connection(sock=self.sock)
@@ -45,6 +47,7 @@ class _Host:
         try:
             from sglang.srt.entrypoints.engine import Engine
 
+            self.semaphores_before = _semaphores()
             self.engine = Engine(**cfg["engine_kwargs"])
         except BaseException as e:  # reported to the replica, then exit
             channel.send(
@@ -86,8 +89,15 @@ class _Host:
             from sglang.srt.managers.load_snapshot import shm_path_for
 
             leftovers.append(shm_path_for(self.engine.port_args.instance_id))
+        pids = list(self.engine.get_all_child_pids())
+        # SGLang's named semaphores (multiprocessing under spawn): their unlinker, the
+        # resource tracker, is one of the children SGLang's shutdown kills, so they stay in
+        # /dev/shm. New names since this engine began are its own, unless another engine
+        # started on the node in that same window (then its name goes early: a process that
+        # has the semaphore open keeps it; SGLang opens them by name only while starting).
+        leftovers += sorted(_semaphores() - self.semaphores_before)
         return {
-            "pids": list(self.engine.get_all_child_pids()),
+            "pids": pids,
             "capacity": capacity,
             "leftovers": leftovers,
         }
@@ -233,6 +243,11 @@ def main() -> None:
     sock = socket.socket(fileno=int(sys.argv[1]))
     sock.set_inheritable(False)  # SGLang's children must not hold the replica's channel open
     asyncio.run(_Host(sock).run())
+
+
+def _semaphores() -> set[str]:
+    """The named semaphores multiprocessing has in ``/dev/shm`` now."""
+    return {str(p) for p in Path("/dev/shm").glob("sem.mp-*")}
 
 
 if __name__ == "__main__":  # SGLang's children are spawned: they re-import this as __mp_main__
