@@ -18,6 +18,7 @@ module is skipped, unless LAMINAR_REQUIRE_REAL=1 (CI) makes that a failure.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import os
 from pathlib import Path
@@ -64,6 +65,12 @@ def _kill_actors(run) -> None:
     for actor in run.runtime.actors:
         ray.kill(actor, no_restart=True)
     ray.util.remove_placement_group(run.runtime.pg)
+    # A crashed driver cannot remove what its replicas' engines had in /dev/shm (vLLM's
+    # message queues); the test does, so that the machine is left clean.
+    for engine in run.runtime.replica_engines:
+        for path in engine.shm_files:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
 
 
 @pytest.fixture(scope="module")
