@@ -1,7 +1,7 @@
 """``tool_calling``: a task the tiny model can only solve by calling its Python tool.
 
 Each row hides a random number in a variable that exists only inside the sandbox: the row's
-``prelude`` (``x = 4821``) runs before the model's code, in the sandbox, and is never shown
+``prelude`` (``x = 7``) runs before the model's code, in the sandbox, and is never shown
 to the model. The prompt names the variable (``What is x?``); the model must call the tool
 to read it and then answer with it::
 
@@ -43,7 +43,7 @@ from typing import Any
 from laminar_core.envs.parsers import CodeBlockParser
 
 #: The call a demonstration makes, in core's ``code`` parser's format (its output comes back
-#: as that parser renders it: ``\n<interpreter>\n4821\n</interpreter>\n``).
+#: as that parser renders it: ``\n<interpreter>\n7\n</interpreter>\n``).
 CALL = "<code>print({name})</code>"
 
 
@@ -89,8 +89,8 @@ def make_row(rng: random.Random, o: ToolCallingOptions) -> dict[str, Any]:
 class ToolCallingTask(Sequence[dict[str, Any]]):
     """A deterministic, indexable dataset of ``tool_calling`` rows.
 
-    Each row: ``{"prompt": "What is x?\\n", "answer": "4821", "name": "x", "prelude":
-    "x = 4821", "task": "tool_calling"}``. The ``python_sandbox`` environment runs
+    Each row: ``{"prompt": "What is x?\\n", "answer": "7", "name": "x", "prelude":
+    "x = 7", "task": "tool_calling"}``. The ``python_sandbox`` environment runs
     ``prelude`` before each call with ``env.options.prelude_key: prelude``.
     """
 
