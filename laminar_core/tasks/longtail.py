@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from laminar_core.tasks.repeat import repeat_reward
+from laminar_core.tasks.repeat import repeat_reward, repeat_row
 
 
 @dataclass(frozen=True)
@@ -92,14 +92,7 @@ class LongTailTask(Sequence[dict[str, Any]]):
             letter = reserved
         else:
             letter = rng.choice([c for c in o.letters if c != reserved])
-        count = o.counts[j]
-        return {
-            "prompt": f"{letter}*{count}=",
-            "answer": letter * count,
-            "letter": letter,
-            "count": count,
-            "task": self.name,
-        }
+        return repeat_row(letter, o.counts[j], self.name)
 
     @staticmethod
     def reward(response: str, row: dict[str, Any]) -> float:

@@ -118,17 +118,23 @@ class RepeatTask(Sequence[dict[str, Any]]):
                 f"{self.name}: no {o.split} pair in {_MAX_REDRAWS} draws at holdout="
                 f"{o.holdout}; raise holdout or widen letters / counts"
             )
-        return {
-            "prompt": f"{letter}*{count}=",
-            "answer": letter * count,
-            "letter": letter,
-            "count": count,
-            "task": self.name,
-        }
+        return repeat_row(letter, count, self.name)
 
     @staticmethod
     def reward(response: str, row: dict[str, Any]) -> float:
         return repeat_reward(response, row)
+
+
+def repeat_row(letter: str, count: int, task: str) -> dict[str, Any]:
+    """The row asking for ``letter`` repeated ``count`` times (the ``repeat`` format, shared
+    by the tasks scored with :func:`repeat_reward`)."""
+    return {
+        "prompt": f"{letter}*{count}=",
+        "answer": letter * count,
+        "letter": letter,
+        "count": count,
+        "task": task,
+    }
 
 
 def repeat_reward(response: str, row: dict[str, Any]) -> float:
