@@ -346,23 +346,18 @@ def main() -> None:
         parts = run_parts(args, out)
     figs = figures(parts)
     say()
-    if "spread" in parts:
-        say(dispatch_spread.spread_table(parts["spread"]))
-        say()
-    if "schedules" in parts:
-        say(schedules.throughput_table(parts["schedules"]))
-        say()
-        say(schedules.metrics_table(parts["schedules"]))
-        say()
-    if "scaling" in parts:
-        say(scaling.scaling_table(parts["scaling"]))
-        say()
-    if "repack" in parts:
-        say(repack.repack_table(parts["repack"]))
-        say()
-    if "sensitivity" in parts:
-        say(sensitivity_table(parts["sensitivity"]))
-        say()
+    tables = [
+        ("spread", dispatch_spread.spread_table),
+        ("schedules", schedules.throughput_table),
+        ("schedules", schedules.metrics_table),
+        ("scaling", scaling.scaling_table),
+        ("repack", repack.repack_table),
+        ("sensitivity", sensitivity_table),
+    ]
+    for part, render in tables:
+        if part in parts:
+            say(render(parts[part]))
+            say()
     say(figures_table(figs))
     if out is not None:
         report = {"parts": sorted(parts), "figures": figs, "root": str(ROOT)}
