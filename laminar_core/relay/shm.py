@@ -125,15 +125,13 @@ def sweep_orphans(shm_dir: str | os.PathLike) -> list[str]:
         parts = d.name.rsplit("-", 3)
         if len(parts) != 4 or not parts[1].isdigit() or not d.is_dir():
             continue
-        try:
+        try:  # alive (or a pid reused by another process): not ours to delete
             os.kill(int(parts[1]), 0)
-            continue  # alive (or a pid reused by another process): not ours to delete
-        except ProcessLookupError:
+        except ProcessLookupError:  # the driver is gone
+            shutil.rmtree(d, ignore_errors=True)
+            removed.append(d.name)
+        except PermissionError:  # alive, another user's
             pass
-        except PermissionError:
-            continue  # alive, another user's
-        shutil.rmtree(d, ignore_errors=True)
-        removed.append(d.name)
     return removed
 
 
