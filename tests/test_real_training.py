@@ -255,3 +255,33 @@ def test_repack_moves_trajectories_between_real_replicas(resumed_run):
         assert len(t.logprobs) == len(t.response_ids) == t.num_response_tokens > 0
         assert len(set(t.versions)) == 1  # one weight version per trajectory, even moved
         assert t.reward is not None
+
+
+def test_quickstart_trains_with_ulysses_sequence_parallel_2(first_run, tmp_path):
+    """The quickstart with ``trainer.fsdp.sequence_parallel: 2``: both trainer ranks share
+    every packed row (all-to-all around attention, the tiny model's one KV head repeated for
+    the split), and the trainer's recompute still agrees with vLLM's sampled log-probs."""
+    model, *_ = first_run
+    resolved = _config(
+        model,
+        tmp_path,
+        "run.steps=2",
+        "run.checkpoint_every=-1",
+        "trainer.fsdp.sequence_parallel=2",
+        "trainer.fsdp.micro_batch_tokens=64",  # several packed rows per step
+    )
+
+    async def go():
+        run_dir = make_run_dir(resolved)
+        run = await start_run(resolved, run_dir)
+        try:
+            await run.controller.run(2)
+        finally:
+            await close_run(run)
+        return run_dir
+
+    rows = _rows(asyncio.run(go()))
+    assert [r["weight_version"] for r in rows] == [1, 2]
+    assert all(r["trained_trajectories"] == 16 and r["grad_norm"] > 0 for r in rows)
+    compared = [r for r in rows if r.get("logprob_diff_tokens")]
+    assert compared and max(r["logprob_abs_diff_max"] for r in compared) < 1e-3
