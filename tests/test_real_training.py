@@ -282,6 +282,8 @@ def test_quickstart_trains_with_ulysses_sequence_parallel_2(first_run, tmp_path)
 
     rows = _rows(asyncio.run(go()))
     assert [r["weight_version"] for r in rows] == [1, 2]
-    assert all(r["trained_trajectories"] == 16 and r["grad_norm"] > 0 for r in rows)
+    # (no grad_norm check: a group whose rewards are all equal -- all zero, at first -- has
+    # zero advantages, so a step of a fresh tiny model can have a zero gradient)
+    assert all(r["trained_trajectories"] == 16 for r in rows)
     compared = [r for r in rows if r.get("logprob_diff_tokens")]
     assert compared and max(r["logprob_abs_diff_max"] for r in compared) < 1e-3
