@@ -251,15 +251,29 @@ class RayRuntime:
         resolved, cfg = spec.resolved, spec.resolved.cfg
         rt, place = cfg.runtime, spec.placement
         loop = asyncio.get_running_loop()
-        tokenizer = load_tokenizer(resolved)
-        dataset, report = build_prompts(resolved, tokenizer, spec.pm)
-        if spec.reward_fn is None:
-            spec = dataclasses.replace(spec, reward_fn=build_reward(resolved, tokenizer, spec.pm))
+
+        def prepare() -> tuple:
+            tokenizer = load_tokenizer(resolved)
+            dataset, report = build_prompts(resolved, tokenizer, spec.pm)
+            reward_fn = spec.reward_fn or build_reward(resolved, tokenizer, spec.pm)
+            return tokenizer, dataset, report, reward_fn
+
+        # the tokenizer (transformers' import: ~3 s here) and the prompts load on a thread
+        # while Ray starts: the driver mostly waits for Ray's own processes then
+        data = loop.run_in_executor(None, prepare)
         needed = place.trainer_gpus * rt.cpus_per_trainer + place.replicas * rt.cpus_per_replica
         t0 = loop.time()
-        self.own_cluster = init_ray(resolved, needed)
+        try:
+            self.own_cluster = init_ray(resolved, needed)
+        except BaseException:
+            await asyncio.gather(data, return_exceptions=True)
+            raise
         self.startup["ray"] = loop.time() - t0
         try:
+            # a bad data file or reward fails here, before any actor starts
+            tokenizer, dataset, report, reward_fn = await data
+            spec = dataclasses.replace(spec, reward_fn=reward_fn)
+            t0 = loop.time()
             await self._reserve()
             ranks = self._trainer_actors()
             replicas = self.replica_handles = [
@@ -272,6 +286,7 @@ class RayRuntime:
                 init = await ranks[0].rendezvous.remote()
             except Exception as e:
                 raise RuntimeStartError(f"an actor failed to start: {e}") from e
+            self.startup["actors"] = loop.time() - t0
             self.replica_nodes = list(nodes)
             place = place.on_nodes(nodes)
             trainer = RayTrainerGroup(ranks, init, {"seed": cfg.run.seed})

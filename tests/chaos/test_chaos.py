@@ -72,6 +72,12 @@ def chaos_run(two_nodes, tmp_path_factory):
             "runtime.placement_strategy=SPREAD",  # replicas (and relays) on both nodes
             f"relay.shm_dir={shm}",
             "telemetry.progress=false",
+            # vLLM's engine core and its worker in processes of their own under each replica
+            # actor (on CPU the default runs both inside the actor): the layout where an
+            # engine can die under a live actor, and the most a killed replica leaves to
+            # clean up (orphaned engine processes, their message queues in /dev/shm)
+            "rollout.vllm.engine_core=process",
+            "rollout.vllm.worker_in_core=false",
         ],
     )
     run_dir = make_run_dir(resolved)

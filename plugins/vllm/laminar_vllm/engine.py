@@ -68,6 +68,16 @@ def _remove_orphans() -> None:
             pass
 
 
+def _in_ray_actor() -> bool:
+    """This process is a Ray actor's (one engine to itself, as the Ray runtime hosts it)."""
+    try:
+        import ray
+
+        return ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None
+    except Exception:  # no Ray, or not a worker
+        return False
+
+
 _ABORT_WAIT_S = 30.0  # how long abort waits for vLLM to hand back an aborted request
 # Timings use the monotonic clock: the one the driver's event loop reads (on one node).
 
@@ -127,6 +137,14 @@ class VLLMRolloutEngine(RolloutEngine):
         path = model_dir(self.model_path, f"rollout replica {self.replica_id}")
         _remove_orphans()
         os.environ.setdefault("VLLM_LOGGING_LEVEL", self.opt.log_level)
+        in_process = self._core_in_process()
+        if self.opt.worker_in_core or in_process:
+            # On CPU vLLM gives the model a Worker process of its own (``mp`` executor)
+            # unless this is "0", which keeps the ``uni`` executor: the model runs inside the
+            # engine core. One process fewer per replica, each of which imports vLLM (~10-17
+            # s of CPU here) and hands every step's batch across a pipe. Read when the config
+            # is built, and inherited by an engine core process.
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         try:
             from vllm.engine.arg_utils import AsyncEngineArgs
             from vllm.v1.engine.async_llm import AsyncLLM
@@ -154,7 +172,12 @@ class VLLMRolloutEngine(RolloutEngine):
             **kwargs,
         )
         try:
-            self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[self._stat_logger()])
+            if in_process:
+                from laminar_vllm.inproc import InprocLLM
+
+                self._llm = InprocLLM.from_engine_args(args, stat_loggers=[self._stat_logger()])
+            else:
+                self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[self._stat_logger()])
         except Exception as e:
             raise RuntimeError(
                 f"rollout replica {self.replica_id}: vLLM failed to start on {path}: "
@@ -166,6 +189,15 @@ class VLLMRolloutEngine(RolloutEngine):
         self._block_size = int(cache.block_size)
         self._num_blocks = int(cache.num_gpu_blocks or 0)
         self._capacity_tokens = self._num_blocks * self._block_size
+
+    def _core_in_process(self) -> bool:
+        """Whether vLLM's engine core runs in this process (``VLLMOptions.engine_core``)."""
+        mode = self.opt.engine_core
+        if mode != "auto":
+            return mode == "inproc"
+        import torch
+
+        return not torch.cuda.is_available() and _in_ray_actor()
 
     async def stop(self) -> None:
         llm, self._llm = self._llm, None

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+ENGINE_CORES = ("auto", "inproc", "process")
+
 
 @dataclass
 class VLLMOptions:
@@ -13,6 +15,13 @@ class VLLMOptions:
     (0: vLLM's own sizing from ``gpu_memory_utilization``; on CPU give a figure, since vLLM
     otherwise reserves most of the host's memory). ``max_num_seqs``: continuous-batching
     width. ``enforce_eager``: no CUDA graphs / compilation (fast start, the CPU default).
+    ``engine_core``: where vLLM's engine core (scheduler + model) runs. ``process``: its own
+    process under ``AsyncLLM`` (vLLM's usual layout). ``inproc``: inside the replica's
+    process (``laminar_vllm.inproc``), one process and one vLLM import fewer per replica;
+    only for a process that hosts this one engine. ``auto``: ``inproc`` in a Ray replica
+    actor without CUDA (the CPU quickstart), else ``process``. ``worker_in_core``: in
+    ``process`` mode on CPU, run the model inside the engine core (vLLM's ``uni`` executor)
+    instead of a separate Worker process (GPU runs with one device per replica do already).
     """
 
     dtype: str = "auto"
@@ -23,4 +32,12 @@ class VLLMOptions:
     enforce_eager: bool = True
     enable_prefix_caching: bool = True
     seed: int = 0
+    engine_core: str = "auto"
+    worker_in_core: bool = True
+
+    def __post_init__(self) -> None:
+        if self.engine_core not in ENGINE_CORES:
+            raise ValueError(
+                f"engine_core: unknown {self.engine_core!r}; known: {', '.join(ENGINE_CORES)}"
+            )
     log_level: str = "WARNING"  # vLLM's own logging; INFO prints every request

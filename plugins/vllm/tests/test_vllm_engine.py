@@ -24,7 +24,11 @@ import itertools
 
 from laminar_vllm import VLLMOptions, VLLMRolloutEngine
 
-OPTS = VLLMOptions(kv_cache_mb=32, max_model_len=256, max_num_seqs=16)
+# where the engine core runs: the suite's own process keeps vLLM's default (its own process);
+# ``test_engine_core_in_this_process`` reruns the engine tests with it in process, in a
+# subprocess of their own (vLLM's in-process core sets process-wide torch state)
+CORE = os.environ.get("LAMINAR_TEST_VLLM_CORE", "auto")
+OPTS = VLLMOptions(kv_cache_mb=32, max_model_len=256, max_num_seqs=16, engine_core=CORE)
 PROMPT = [72, 15, 22, 24, 34]  # "c*13="
 
 
@@ -177,6 +181,7 @@ def test_conformance_kit(model_dir):
     from laminar_core.testing import check_rollout_engine
 
     options = {"dtype": "float32", "kv_cache_mb": 32, "max_model_len": 256, "max_num_seqs": 16}
+    options["engine_core"] = CORE
     report = asyncio.run(
         check_rollout_engine(
             VLLMRolloutEngine,
@@ -227,3 +232,54 @@ def test_weight_files_of_dead_engine_processes_are_removed(monkeypatch, tmp_path
     assert not (tmp_path / f"laminar-vllm-{gone}").exists()
     assert (mine / "r1-v4-y.safetensors").exists()  # this process's own: kept
     assert (tmp_path / "laminar-vllm-notapid").exists()  # not ours to judge
+
+
+@pytest.mark.skipif(CORE != "auto", reason="this is the in-process rerun itself")
+def test_engine_core_in_this_process():
+    """``engine_core: inproc`` (what a Ray replica actor on CPU runs): the lifecycle and
+    core's conformance kit pass with vLLM's engine core in the replica's own process -- no
+    engine-core child process -- in a fresh interpreter (the core sets process-wide state)."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "LAMINAR_TEST_VLLM_CORE": "inproc"}
+    tests = [f"{__file__}::test_engine_lifecycle", f"{__file__}::test_conformance_kit"]
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    assert "2 passed" in done.stdout
+
+
+def test_the_inproc_core_starts_no_process(model_dir):
+    """In process, a started replica has no child process (``process`` mode has vLLM's
+    engine core as one), in a fresh interpreter."""
+    import subprocess
+    import sys
+
+    script = f"""
+import asyncio, psutil
+from laminar_vllm import VLLMOptions, VLLMRolloutEngine
+async def main():
+    eng = VLLMRolloutEngine("r0", {model_dir!r}, VLLMOptions(
+        kv_cache_mb=32, max_model_len=256, max_num_seqs=16, engine_core="inproc"))
+    await eng.start()
+    print("children", len(psutil.Process().children(recursive=True)))
+    await eng.stop()
+if __name__ == "__main__":
+    asyncio.run(main())
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "children 0" in done.stdout, done.stdout
+
+
+def test_an_unknown_engine_core_is_a_clear_error():
+    with pytest.raises(ValueError, match="engine_core: unknown 'threads'; known: auto"):
+        VLLMOptions(engine_core="threads")
