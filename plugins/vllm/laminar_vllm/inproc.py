@@ -45,6 +45,7 @@ class InprocLLM:
         self._wake = asyncio.Event()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="vllm-step")
         self._driver: asyncio.Task | None = None
+        self._aborts: set[asyncio.Future] = set()  # held until done (the loop keeps weak refs)
 
     @classmethod
     def from_engine_args(cls, args: Any, stat_loggers: list | None = None) -> InprocLLM:
@@ -87,7 +88,9 @@ class InprocLLM:
                 del self._streams[request_id]
             if not finished and not self.errored:
                 # cancelled mid-request: vLLM must not keep generating for nobody
-                asyncio.ensure_future(self._abort_in_engine([request_id]))
+                task = asyncio.ensure_future(self._abort_in_engine([request_id]))
+                self._aborts.add(task)
+                task.add_done_callback(self._aborts.discard)
 
     async def abort(self, request_ids: list[str]) -> None:
         """Stop the requests; their streams end (after the step in progress, if any)."""

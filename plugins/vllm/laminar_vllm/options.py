@@ -40,4 +40,5 @@ class VLLMOptions:
             raise ValueError(
                 f"engine_core: unknown {self.engine_core!r}; known: {', '.join(ENGINE_CORES)}"
             )
+
     log_level: str = "WARNING"  # vLLM's own logging; INFO prints every request

@@ -88,6 +88,13 @@ async def _stats_through_a_ramp_down(eng) -> None:
     assert st.running == st.waiting == 0 and st.kv_use == 0.0
 
 
+def _unfinished_in_vllm(eng) -> int:
+    """Requests vLLM itself still holds (its output processor's count), either layout."""
+    llm = eng._llm
+    processor = llm.engine.output_processor if hasattr(llm, "engine") else llm.output_processor
+    return processor.get_num_unfinished_requests()
+
+
 def test_engine_lifecycle(model_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -168,6 +175,20 @@ def test_engine_lifecycle(model_dir, tmp_path):
                 await eng.update_weights(TensorWeights(3, []))
             await eng.abort(["d"])
             await task
+
+            # a caller that goes away (its generate cancelled) stops the vLLM request too
+            task = asyncio.ensure_future(eng.generate(_req("f", 200)))
+            while not await eng.partials(["f"]):
+                await asyncio.sleep(0.02)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            for _ in range(200):
+                if not _unfinished_in_vllm(eng):
+                    break
+                await asyncio.sleep(0.05)
+            assert _unfinished_in_vllm(eng) == 0
+            assert (await eng.generate(_req("g", 8))).num_response_tokens > 0
         finally:
             await eng.stop()
 
