@@ -22,7 +22,9 @@ class BuildContext:
     ``config``: the whole validated ``LaminarConfig``; ``options``: this engine's validated
     ``Options`` instance (or ``None``); ``index``: replica index / trainer rank / endpoint
     rank; ``name``: replica id or endpoint name; ``gpus``: GPUs this instance models or
-    uses; ``shared``: state shared by all instances built for one run (e.g. a fabric).
+    uses; ``shared``: state shared by all instances built for one run (e.g. a fabric);
+    ``own_process``: the instance has its process to itself (the Ray runtime's actor hosts
+    one engine), so it may run what sets process-wide state (e.g. vLLM's engine core).
     """
 
     config: Any
@@ -31,6 +33,7 @@ class BuildContext:
     name: str = ""
     gpus: int = 1
     shared: dict[str, Any] = field(default_factory=dict)
+    own_process: bool = False
 
 
 def build(factory: Any, ctx: BuildContext) -> Any:

@@ -27,7 +27,9 @@ def _engine(config_yaml: str, kind: str, index: int, name: str, gpus: int) -> An
     cfg = resolved.cfg
     engine_name = cfg.rollout.engine if kind == "rollout" else cfg.trainer.engine
     factory = default_manager().get(kind, engine_name)
-    ctx = BuildContext(cfg, resolved.engine_options.get(kind), index, name, gpus, {})
+    # one engine per actor: the process is the engine's own
+    options = resolved.engine_options.get(kind)
+    ctx = BuildContext(cfg, options, index, name, gpus, {}, own_process=True)
     return build(factory, ctx), resolved
 
 

@@ -111,8 +111,8 @@ def train(resolved: ResolvedConfig) -> Path:
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
-        began = loop.time() - _process_age()  # when the command started
-        imports = loop.time() - began  # the CLI's own imports and config checks
+        cli = _process_age()  # the CLI's own imports and config checks, so far
+        began = loop.time() - cli  # when the command started
         # until the run's own handlers are in place, SIGTERM cancels the start-up cleanly
         # (what was started is released) instead of killing the process under it
         with contextlib.suppress(NotImplementedError, RuntimeError):
@@ -129,7 +129,7 @@ def train(resolved: ResolvedConfig) -> Path:
             print(f"data: {report.summary()}", file=sys.stderr, flush=True)
         parts = getattr(run.runtime, "startup", {})
         if parts:
-            parts = {"cli": imports, **parts}
+            parts = {"cli": cli, **parts}
             took = ", ".join(f"{k} {v:.1f}s" for k, v in parts.items())
             print(f"start-up: {took} ({loop.time() - began:.1f}s in all)", flush=True)
         restore = install_stop_handlers(run.controller)

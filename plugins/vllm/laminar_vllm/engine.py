@@ -68,16 +68,6 @@ def _remove_orphans() -> None:
             pass
 
 
-def _in_ray_actor() -> bool:
-    """This process is a Ray actor's (one engine to itself, as the Ray runtime hosts it)."""
-    try:
-        import ray
-
-        return ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None
-    except Exception:  # no Ray, or not a worker
-        return False
-
-
 _ABORT_WAIT_S = 30.0  # how long abort waits for vLLM to hand back an aborted request
 # Timings use the monotonic clock: the one the driver's event loop reads (on one node).
 
@@ -97,7 +87,8 @@ class _Live:
 
 
 class VLLMRolloutEngine(RolloutEngine):
-    """A vLLM replica. ``replica_id`` names it; ``model_path`` is a local HF directory."""
+    """A vLLM replica. ``replica_id`` names it; ``model_path`` is a local HF directory;
+    ``own_process``: this process hosts only this engine (``BuildContext.own_process``)."""
 
     Options = VLLMOptions
 
@@ -109,6 +100,7 @@ class VLLMRolloutEngine(RolloutEngine):
             cfg.model.path,
             ctx.options or VLLMOptions(),
             model_dtype=cfg.model.dtype,
+            own_process=ctx.own_process,
         )
 
     def __init__(
@@ -117,11 +109,13 @@ class VLLMRolloutEngine(RolloutEngine):
         model_path: str,
         options: VLLMOptions | None = None,
         model_dtype: str = "bfloat16",
+        own_process: bool = False,
     ) -> None:
         self.replica_id = replica_id
         self.model_path = model_path
         self.opt = options or VLLMOptions()
         self.dtype = model_dtype if self.opt.dtype == "auto" else self.opt.dtype
+        self.own_process = own_process
         self.version = 0
         self._llm = None
         self._live: dict[str, _Live] = {}
@@ -197,7 +191,7 @@ class VLLMRolloutEngine(RolloutEngine):
             return mode == "inproc"
         import torch
 
-        return not torch.cuda.is_available() and _in_ray_actor()
+        return self.own_process and not torch.cuda.is_available()
 
     async def stop(self) -> None:
         llm, self._llm = self._llm, None

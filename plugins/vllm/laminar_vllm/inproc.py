@@ -102,7 +102,7 @@ class InprocLLM:
 
     async def _abort_in_engine(self, request_ids: list[str]) -> None:
         async with self._lock:
-            if not self.errored:
+            if not self.errored and self.engine is not None:  # dead or shut down: nothing runs
                 self.engine.abort_request(list(request_ids))
 
     # -- control -----------------------------------------------------------------------------

@@ -18,8 +18,9 @@ class VLLMOptions:
     ``engine_core``: where vLLM's engine core (scheduler + model) runs. ``process``: its own
     process under ``AsyncLLM`` (vLLM's usual layout). ``inproc``: inside the replica's
     process (``laminar_vllm.inproc``), one process and one vLLM import fewer per replica;
-    only for a process that hosts this one engine. ``auto``: ``inproc`` in a Ray replica
-    actor without CUDA (the CPU quickstart), else ``process``. ``worker_in_core``: in
+    only for a process that hosts this one engine. ``auto``: ``inproc`` where the runtime
+    gives the engine its own process (a Ray replica actor) and there is no CUDA (the CPU
+    quickstart), else ``process``. ``worker_in_core``: in
     ``process`` mode on CPU, run the model inside the engine core (vLLM's ``uni`` executor)
     instead of a separate Worker process (GPU runs with one device per replica do already).
     """
@@ -32,6 +33,7 @@ class VLLMOptions:
     enforce_eager: bool = True
     enable_prefix_caching: bool = True
     seed: int = 0
+    log_level: str = "WARNING"  # vLLM's own logging; INFO prints every request
     engine_core: str = "auto"
     worker_in_core: bool = True
 
@@ -40,5 +42,3 @@ class VLLMOptions:
             raise ValueError(
                 f"engine_core: unknown {self.engine_core!r}; known: {', '.join(ENGINE_CORES)}"
             )
-
-    log_level: str = "WARNING"  # vLLM's own logging; INFO prints every request

@@ -258,8 +258,8 @@ def test_weight_files_of_dead_engine_processes_are_removed(monkeypatch, tmp_path
 @pytest.mark.skipif(CORE != "auto", reason="this is the in-process rerun itself")
 def test_engine_core_in_this_process():
     """``engine_core: inproc`` (what a Ray replica actor on CPU runs): the lifecycle and
-    core's conformance kit pass with vLLM's engine core in the replica's own process -- no
-    engine-core child process -- in a fresh interpreter (the core sets process-wide state)."""
+    core's conformance kit pass with vLLM's engine core in the replica's own process, in a
+    fresh interpreter (the core sets process-wide state)."""
     import subprocess
     import sys
 
