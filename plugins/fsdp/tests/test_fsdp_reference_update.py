@@ -11,7 +11,6 @@ split the batch, so the token-mean scaling over micro-batches is in the check to
 from __future__ import annotations
 
 import asyncio
-import copy
 
 import pytest
 import torch
