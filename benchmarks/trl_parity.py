@@ -1,0 +1,208 @@
+"""Is our side of ``grpo_vs_trl.py`` the same algorithm as TRL's? Two checks on its workload.
+
+    python benchmarks/trl_parity.py sampling [--model DIR] [--samples 64]
+    python benchmarks/trl_parity.py loop [--model DIR] [--seed 1] [--steps 40]
+
+``sampling``: responses from one model on the same 8 prompts, drawn by vLLM (what our
+replicas run) and by transformers' ``generate`` (TRL's CPU path): mean length (with its
+standard error), share stopped before ``max_tokens`` and mean reward. Equal distributions
+give equal figures within a few standard errors.
+
+``loop``: TRL's GRPO in plain torch, neither TRL nor Laminar: ``generate`` samples 8 x 8
+responses per step, group-std advantages, one token mean over the batch (``dapo``), ratio
+against the sampling policy, AdamW with the config's ``trainer.fsdp`` settings, one update
+per batch; the held-out eval of ``grpo_vs_trl.py`` every 10 steps. Its eval curve is a
+third reading beside the ``trl`` and ``sync`` arms (our trainer's update equals this one:
+``plugins/fsdp/tests/test_fsdp_reference_update.py``).
+
+The model defaults to ``runs/small-qwen2`` (``laminar tiny-model runs/small-qwen2 --preset
+small --seed N`` builds it); the workload is ``examples/longtail.yaml``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # vLLM in this process
+
+import torch
+from _common import ROOT, say
+
+CONFIG = ROOT / "examples" / "longtail.yaml"
+
+
+def _setup(model: str, seed: int) -> tuple[Any, Any, Any, Any, dict]:
+    from transformers import AutoTokenizer
+
+    from laminar_core import load_config
+    from laminar_core.tasks import build_prompts, resolve_reward
+
+    resolved = load_config(str(CONFIG), [f"model.path={model}", f"run.seed={seed}"])
+    tok = AutoTokenizer.from_pretrained(model)
+    prompts, _ = build_prompts(resolved, tok)
+    _, reward_fn = resolve_reward(resolved)
+    return resolved, tok, prompts, reward_fn, dict(resolved.cfg.reward.options)
+
+
+def _generate(model, tok, batch: list[list[int]], max_new: int) -> list[list[int]]:
+    """Sampled responses (temperature 1, no top-k/p), each cut after its first EOS."""
+    width = max(len(ids) for ids in batch)
+    pad = tok.pad_token_id
+    ids = torch.tensor([[pad] * (width - len(x)) + x for x in batch])
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=(ids != pad).long(),
+        do_sample=True,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        max_new_tokens=max_new,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=pad,
+    )
+    responses = []
+    for seq in out[:, width:].tolist():
+        end = seq.index(tok.eos_token_id) + 1 if tok.eos_token_id in seq else len(seq)
+        responses.append(seq[:end])
+    return responses
+
+
+def sampling(a: argparse.Namespace) -> None:
+    from transformers import AutoModelForCausalLM
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    resolved, tok, prompts, reward_fn, options = _setup(a.model, a.seed)
+    prompts = prompts[:8]
+    max_tokens = resolved.cfg.rollout.max_tokens
+    drawn: dict[str, list[tuple[int, float]]] = {"vllm": [], "generate": []}
+    llm = LLM(
+        model=a.model,
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=resolved.engine_options["rollout"].max_model_len,
+        seed=a.seed,
+        kv_cache_memory_bytes=128 << 20,
+    )
+    params = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=max_tokens)
+    for p in prompts:
+        outs = llm.generate(
+            [TokensPrompt(prompt_token_ids=p.ids)] * a.samples, params, use_tqdm=False
+        )
+        for o in outs:
+            ids = list(o.outputs[0].token_ids)
+            text = tok.decode(ids, skip_special_tokens=True)
+            drawn["vllm"].append((len(ids), float(reward_fn(text, p.metadata, **options))))
+    del llm
+    torch.manual_seed(a.seed)
+    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for p in prompts:
+            for ids in _generate(model, tok, [p.ids] * a.samples, max_tokens):
+                text = tok.decode(ids, skip_special_tokens=True)
+                drawn["generate"].append((len(ids), float(reward_fn(text, p.metadata, **options))))
+    for name, rows in drawn.items():
+        lengths = [n for n, _ in rows]
+        se = statistics.stdev(lengths) / len(lengths) ** 0.5
+        stopped = sum(n < max_tokens for n in lengths) / len(lengths)
+        reward = statistics.fmean(r for _, r in rows)
+        say(
+            f"{name:<9} n={len(rows)}  mean length {statistics.fmean(lengths):.1f} +- {se:.1f}"
+            f"  stopped {stopped:.2f}  reward {reward:.4f}"
+        )
+
+
+def loop(a: argparse.Namespace) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from laminar_core.buffers import PromptPool
+    from laminar_core.loop.evaluation import build_eval_prompts
+
+    resolved, tok, prompts, reward_fn, options = _setup(a.model, a.seed)
+    cfg, fsdp = resolved.cfg, resolved.engine_options["trainer"]
+    group, per_step = cfg.data.samples_per_prompt, cfg.data.prompts_per_step
+    pool = PromptPool(prompts, group, seed=a.seed, shuffle=cfg.data.shuffle)
+    held = build_eval_prompts(resolved, tok, prompts)
+    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32)
+    optim = torch.optim.AdamW(
+        model.parameters(),
+        lr=fsdp.lr,
+        betas=(fsdp.beta1, fsdp.beta2),
+        eps=fsdp.eps,
+        weight_decay=fsdp.weight_decay,
+    )
+    torch.manual_seed(a.seed)
+
+    def reward(ids: list[int], row: dict) -> float:
+        return float(reward_fn(tok.decode(ids, skip_special_tokens=True), row, **options))
+
+    def evaluate() -> float:
+        """``grpo_vs_trl.py``'s TRL-arm eval: the held-out prompts, sampled from seed 0."""
+        model.eval()
+        scores = []
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            for i in range(0, len(held), 32):
+                chunk = held[i : i + 32]
+                out = _generate(model, tok, [p.ids for p in chunk], cfg.rollout.max_tokens)
+                scores += [reward(ids, p.metadata) for p, ids in zip(chunk, out, strict=True)]
+        model.train()
+        return statistics.fmean(scores)
+
+    t0 = time.monotonic()
+    for step in range(a.steps):
+        rows = [pool.next_group().prompt for _ in range(per_step)]
+        model.eval()
+        with torch.no_grad():
+            batch = [p.ids for p in rows for _ in range(group)]
+            out = _generate(model, tok, batch, cfg.rollout.max_tokens)
+        model.train()
+        pairs = [(p, out[i * group + j]) for i, p in enumerate(rows) for j in range(group)]
+        rewards = torch.tensor([reward(ids, p.metadata) for p, ids in pairs]).view(per_step, -1)
+        adv = (rewards - rewards.mean(1, keepdim=True)) / (
+            rewards.std(1, keepdim=True) + cfg.algorithm.adv_eps
+        )
+        loss, tokens = torch.zeros(()), 0
+        for a_i, (p, ids) in zip(adv.view(-1), pairs, strict=True):
+            logits = model(input_ids=torch.tensor([p.ids + ids])).logits[0, len(p.ids) - 1 : -1]
+            lp = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(ids)[:, None])[:, 0]
+            loss = loss - (torch.exp(lp - lp.detach()) * a_i).sum()  # ratio 1, its gradient
+            tokens += len(ids)
+        optim.zero_grad()
+        (loss / tokens).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), fsdp.grad_clip)
+        optim.step()
+        mean_len = statistics.fmean(len(ids) for _, ids in pairs)
+        line = (
+            f"step {step:>3}  reward {rewards.mean():.3f}  length {mean_len:.0f}  "
+            f"{time.monotonic() - t0:.0f}s"
+        )
+        if step % 10 == 9:
+            line += f"  eval {evaluate():.3f}"
+        say(line)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("part", choices=["sampling", "loop"])
+    ap.add_argument("--model", default=str(ROOT / "runs" / "small-qwen2"))
+    ap.add_argument("--seed", type=int, default=1, help="prompt order (and sampling seed)")
+    ap.add_argument("--samples", type=int, default=64, help="sampling: responses per prompt")
+    ap.add_argument("--steps", type=int, default=40, help="loop: optimiser steps")
+    a = ap.parse_args()
+    torch.set_num_threads(1)
+    if not os.path.exists(os.path.join(a.model, "config.json")):
+        sys.exit(f"no model at {a.model}: laminar tiny-model {a.model} --preset small")
+    if a.part == "sampling":
+        sampling(a)
+    else:
+        loop(a)
+
+
+if __name__ == "__main__":
+    main()
