@@ -127,6 +127,43 @@ def _pool_rows(resolved, tok, n_prompts: int) -> tuple[list[dict[str, Any]], lis
     return [dict(pool.next_group().prompt.metadata) for _ in range(n_prompts)], prompts
 
 
+def hf_eval_reward(model, tok, held: list, cfg: Any, reward: Any) -> float:
+    """The TRL arm's eval round: ``data.eval_temperature`` (0: greedy) on the held-out
+    prompts ``held`` with transformers' ``generate``, the mean of ``reward(text, row)``.
+    Sampled rounds draw from one fixed seed (ours seed request i with i) and leave the
+    caller's random state and the model's train/eval mode as they were."""
+    import torch
+
+    was_training = model.training
+    model.eval()
+    d = cfg.data
+    sample = d.eval_temperature > 0
+    scores = []
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        for i in range(0, len(held), 32):
+            chunk = held[i : i + 32]
+            width = max(len(p.ids) for p in chunk)
+            ids = torch.tensor([[tok.pad_token_id] * (width - len(p.ids)) + p.ids for p in chunk])
+            gen = model.generate(
+                input_ids=ids,
+                attention_mask=(ids != tok.pad_token_id).long(),
+                max_new_tokens=d.eval_max_tokens or cfg.rollout.max_tokens,
+                do_sample=sample,
+                temperature=d.eval_temperature if sample else None,
+                top_p=1.0,
+                top_k=0 if sample else None,
+                eos_token_id=tok.eos_token_id,
+                pad_token_id=tok.pad_token_id,
+            )
+            for p, seq in zip(chunk, gen[:, width:]):
+                text = tok.decode(seq.tolist(), skip_special_tokens=True)
+                scores.append(float(reward(text, p.metadata)))
+    if was_training:
+        model.train()
+    return sum(scores) / len(scores)
+
+
 def trl_worker(args: argparse.Namespace) -> None:
     """Train with TRL's GRPOTrainer; write ``out/metrics.jsonl`` rows like ``laminar``."""
     import torch
@@ -181,41 +218,12 @@ def trl_worker(args: argparse.Namespace) -> None:
                 clock["generate"] += time.monotonic() - t
 
     def evaluate(model) -> tuple[float, float]:
-        """``data.eval_temperature`` (0: greedy) on the held-out prompts: (reward, seconds).
-        Sampled rounds draw from one fixed seed (ours seed request i with i), and leave the
-        training's random state alone."""
+        """The held-out eval round (``hf_eval_reward``): (reward, seconds)."""
         t = time.monotonic()
-        was_training = model.training
-        model.eval()
-        d = cfg.data
-        scores = []
-        with torch.no_grad(), torch.random.fork_rng(devices=[]):
-            torch.manual_seed(0)
-            for i in range(0, len(held), 32):
-                chunk = held[i : i + 32]
-                width = max(len(p.ids) for p in chunk)
-                ids = torch.tensor(
-                    [[tok.pad_token_id] * (width - len(p.ids)) + p.ids for p in chunk]
-                )
-                mask = (ids != tok.pad_token_id).long()
-                sample = d.eval_temperature > 0
-                gen = model.generate(
-                    input_ids=ids,
-                    attention_mask=mask,
-                    max_new_tokens=d.eval_max_tokens or cfg.rollout.max_tokens,
-                    do_sample=sample,
-                    temperature=d.eval_temperature if sample else None,
-                    top_p=1.0,
-                    top_k=0 if sample else None,
-                    eos_token_id=tok.eos_token_id,
-                    pad_token_id=tok.pad_token_id,
-                )
-                for p, seq in zip(chunk, gen[:, width:]):
-                    text = tok.decode(seq.tolist(), skip_special_tokens=True)
-                    scores.append(float(reward_fn(text, p.metadata, **options)))
-        if was_training:
-            model.train()
-        return sum(scores) / len(scores), time.monotonic() - t
+        reward = hf_eval_reward(
+            model, tok, held, cfg, lambda text, row: reward_fn(text, row, **options)
+        )
+        return reward, time.monotonic() - t
 
     class Rows(TrainerCallback):
         """One ``metrics.jsonl`` row per optimiser step, from the logged ``reward``."""

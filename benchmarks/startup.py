@@ -3,8 +3,8 @@
     python benchmarks/startup.py [--config examples/quickstart.yaml] [--json FILE]
 
 Runs ``laminar train CONFIG run.steps=2`` (model built first if missing) and samples every
-process it starts (the driver, Ray's own, the trainer ranks, the replicas, the relays) from
-``/proc`` four times a second. Prints the run's own start-up line and when the first
+process it starts (the driver, Ray's own, the trainer ranks, the replicas, the relays)
+twice a second. Prints the run's own start-up line and when the first
 trajectory came, each process kind's CPU seconds up to then, a timeline of how many cores
 each kind used, and, for scale, what importing vLLM alone costs in a fresh process (every
 replica pays it). On a machine with few cores start-up is CPU-bound: the sum of the CPU
@@ -37,7 +37,6 @@ KINDS = [  # (kind, what the process's command line holds), first match wins
     ("driver", "laminar"),
 ]
 ORDER = ["driver", "ray", "trainer", "relay", "replica", "other"]
-TICK = os.sysconf("SC_CLK_TCK")
 
 
 def kind_of(cmdline: str) -> str:
@@ -68,12 +67,11 @@ class Sampler:
                 procs = []
             for p in procs:
                 try:
-                    stat = Path(f"/proc/{p.pid}/stat").read_text()
+                    times = p.cpu_times()
                     cmd = " ".join(p.cmdline())
-                except (OSError, psutil.Error):
+                except psutil.Error:  # gone since the listing
                     continue
-                fields = stat[stat.rfind(")") + 2 :].split()
-                cpu = (int(fields[11]) + int(fields[12])) / TICK
+                cpu = times.user + times.system
                 # a Ray worker is "ray::IDLE" until it becomes an actor: keep the last name
                 if cmd:
                     self.kind[p.pid] = kind_of(cmd)
@@ -160,7 +158,7 @@ def main() -> None:
         f"\nCPU seconds until the first trajectory, by process kind ({cores} cores: "
         f"{total:.1f} CPU s is at least {total / cores:.1f} s of wall time)\n"
     )
-    procs = {k: sum(1 for p, kk in sampler.kind.items() if kk == k) for k in ORDER}
+    procs = {k: sum(1 for kind in sampler.kind.values() if kind == k) for k in ORDER}
     say(
         table(
             [[k, str(procs[k]), f"{cpu.get(k, 0.0):.1f}"] for k in ORDER if k in cpu]

@@ -26,17 +26,24 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # vLLM in this process
 
 import torch
 from _common import ROOT, say
+from grpo_vs_trl import hf_eval_reward
 
 CONFIG = ROOT / "examples" / "longtail.yaml"
+Reward = Callable[[str, dict], float]
 
 
-def _setup(model: str, seed: int) -> tuple[Any, Any, Any, Any, dict]:
+def _setup(
+    model: str, seed: int
+) -> tuple[Any, Any, Any, Reward, Callable[[list[int], dict], float]]:
+    """The workload's resolved config, tokenizer and training prompts, and its reward both
+    as ``reward(text, row)`` and as ``score(response_ids, row)``."""
     from transformers import AutoTokenizer
 
     from laminar_core import load_config
@@ -46,7 +53,15 @@ def _setup(model: str, seed: int) -> tuple[Any, Any, Any, Any, dict]:
     tok = AutoTokenizer.from_pretrained(model)
     prompts, _ = build_prompts(resolved, tok)
     _, reward_fn = resolve_reward(resolved)
-    return resolved, tok, prompts, reward_fn, dict(resolved.cfg.reward.options)
+    options = dict(resolved.cfg.reward.options)
+
+    def reward(text: str, row: dict) -> float:
+        return float(reward_fn(text, row, **options))
+
+    def score(ids: list[int], row: dict) -> float:
+        return reward(tok.decode(ids, skip_special_tokens=True), row)
+
+    return resolved, tok, prompts, reward, score
 
 
 def _generate(model, tok, batch: list[list[int]], max_new: int) -> list[list[int]]:
@@ -77,7 +92,7 @@ def sampling(a: argparse.Namespace) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    resolved, tok, prompts, reward_fn, options = _setup(a.model, a.seed)
+    resolved, tok, prompts, _, score = _setup(a.model, a.seed)
     prompts = prompts[:8]
     max_tokens = resolved.cfg.rollout.max_tokens
     drawn: dict[str, list[tuple[int, float]]] = {"vllm": [], "generate": []}
@@ -96,16 +111,14 @@ def sampling(a: argparse.Namespace) -> None:
         )
         for o in outs:
             ids = list(o.outputs[0].token_ids)
-            text = tok.decode(ids, skip_special_tokens=True)
-            drawn["vllm"].append((len(ids), float(reward_fn(text, p.metadata, **options))))
+            drawn["vllm"].append((len(ids), score(ids, p.metadata)))
     del llm
     torch.manual_seed(a.seed)
     model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32).eval()
     with torch.no_grad():
         for p in prompts:
             for ids in _generate(model, tok, [p.ids] * a.samples, max_tokens):
-                text = tok.decode(ids, skip_special_tokens=True)
-                drawn["generate"].append((len(ids), float(reward_fn(text, p.metadata, **options))))
+                drawn["generate"].append((len(ids), score(ids, p.metadata)))
     for name, rows in drawn.items():
         lengths = [n for n, _ in rows]
         se = statistics.stdev(lengths) / len(lengths) ** 0.5
@@ -123,7 +136,7 @@ def loop(a: argparse.Namespace) -> None:
     from laminar_core.buffers import PromptPool
     from laminar_core.loop.evaluation import build_eval_prompts
 
-    resolved, tok, prompts, reward_fn, options = _setup(a.model, a.seed)
+    resolved, tok, prompts, reward, score = _setup(a.model, a.seed)
     cfg, fsdp = resolved.cfg, resolved.engine_options["trainer"]
     group, per_step = cfg.data.samples_per_prompt, cfg.data.prompts_per_step
     pool = PromptPool(prompts, group, seed=a.seed, shuffle=cfg.data.shuffle)
@@ -138,22 +151,6 @@ def loop(a: argparse.Namespace) -> None:
     )
     torch.manual_seed(a.seed)
 
-    def reward(ids: list[int], row: dict) -> float:
-        return float(reward_fn(tok.decode(ids, skip_special_tokens=True), row, **options))
-
-    def evaluate() -> float:
-        """``grpo_vs_trl.py``'s TRL-arm eval: the held-out prompts, sampled from seed 0."""
-        model.eval()
-        scores = []
-        with torch.no_grad(), torch.random.fork_rng(devices=[]):
-            torch.manual_seed(0)
-            for i in range(0, len(held), 32):
-                chunk = held[i : i + 32]
-                out = _generate(model, tok, [p.ids for p in chunk], cfg.rollout.max_tokens)
-                scores += [reward(ids, p.metadata) for p, ids in zip(chunk, out, strict=True)]
-        model.train()
-        return statistics.fmean(scores)
-
     t0 = time.monotonic()
     for step in range(a.steps):
         rows = [pool.next_group().prompt for _ in range(per_step)]
@@ -163,7 +160,7 @@ def loop(a: argparse.Namespace) -> None:
             out = _generate(model, tok, batch, cfg.rollout.max_tokens)
         model.train()
         pairs = [(p, out[i * group + j]) for i, p in enumerate(rows) for j in range(group)]
-        rewards = torch.tensor([reward(ids, p.metadata) for p, ids in pairs]).view(per_step, -1)
+        rewards = torch.tensor([score(ids, p.metadata) for p, ids in pairs]).view(per_step, -1)
         adv = (rewards - rewards.mean(1, keepdim=True)) / (
             rewards.std(1, keepdim=True) + cfg.algorithm.adv_eps
         )
@@ -183,7 +180,7 @@ def loop(a: argparse.Namespace) -> None:
             f"{time.monotonic() - t0:.0f}s"
         )
         if step % 10 == 9:
-            line += f"  eval {evaluate():.3f}"
+            line += f"  eval {hf_eval_reward(model, tok, held, cfg, reward):.3f}"
         say(line)
 
 

@@ -63,7 +63,7 @@ def test_updates_match_a_plain_torch_grpo_reference(tiny_model):
     start = {n: p.detach().clone() for n, p in ref.named_parameters()}
     groups = 4
 
-    async def main() -> list[tuple[float, dict, float, dict, dict]]:
+    async def main() -> tuple[list[tuple[float, dict, float, dict]], dict]:
         # a small micro-batch budget: every step is several micro-batches
         eng = FSDPTrainerEngine(cfg, FSDPOptions(lr=LR, grad_clip=CLIP, micro_batch_tokens=160))
         await eng.setup(TrainerContext(0, 1, eng.opt, cfg.algorithm, {}))
@@ -81,16 +81,15 @@ def test_updates_match_a_plain_torch_grpo_reference(tiny_model):
                         t.reward = float(torch.rand((), generator=gen))  # graded rewards
                 want, want_grads = _reference_step(ref, optim, trajs, groups, cfg.algorithm)
                 got = await eng.train_step(batch)
-                named = list(eng.lm.named_parameters())
-                grads = {n: p.grad.full_tensor().clone() for n, p in named}
-                params = {n: p.full_tensor().detach().clone() for n, p in named}
-                out.append((want, want_grads, got["loss"], grads, params))
+                grads = {n: p.grad.full_tensor().clone() for n, p in eng.lm.named_parameters()}
+                out.append((want, want_grads, got["loss"], grads))
+            params = {n: p.full_tensor().detach().clone() for n, p in eng.lm.named_parameters()}
         finally:
             await eng.close()
-        return out
+        return out, params
 
-    steps = asyncio.run(main())
-    for want, want_grads, got, grads, _ in steps:
+    steps, params = asyncio.run(main())
+    for want, want_grads, got, grads in steps:
         assert got == pytest.approx(want, rel=1e-4, abs=1e-6)
         # the gradients before Adam: a loss scaled wrongly shows here (Adam's
         # update would hide it: it is invariant to the gradient's scale)
@@ -98,7 +97,6 @@ def test_updates_match_a_plain_torch_grpo_reference(tiny_model):
         for name, g in grads.items():
             torch.testing.assert_close(g, want_grads[name], atol=1e-6, rtol=1e-3, msg=name)
     final = dict(ref.named_parameters())
-    params = steps[-1][4]
     for name, p in params.items():
         moved = final[name].detach() - start[name]
         assert moved.abs().max() > 0.5 * LR, name  # every parameter learned something

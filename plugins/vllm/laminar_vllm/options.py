@@ -20,9 +20,9 @@ class VLLMOptions:
     process (``laminar_vllm.inproc``), one process and one vLLM import fewer per replica;
     only for a process that hosts this one engine. ``auto``: ``inproc`` where the runtime
     gives the engine its own process (a Ray replica actor) and there is no CUDA (the CPU
-    quickstart), else ``process``. ``worker_in_core``: in
-    ``process`` mode on CPU, run the model inside the engine core (vLLM's ``uni`` executor)
-    instead of a separate Worker process (GPU runs with one device per replica do already).
+    quickstart), else ``process``. ``worker_in_core``: in ``process`` mode on CPU, run the
+    model inside the engine core (vLLM's ``uni`` executor) instead of a separate Worker
+    process (GPU runs with one device per replica do already).
     """
 
     dtype: str = "auto"
