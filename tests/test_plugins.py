@@ -518,3 +518,17 @@ def test_the_shipped_engines_implement_their_interfaces() -> None:
             assert missing_methods(import_spec(spec), INTERFACES[kind]) == [], spec
             checked += 1
     assert checked >= 7
+
+
+def test_build_context_seed_is_distinct_per_instance_and_moves_with_run_seed() -> None:
+    """Replicas of one run never share a sampling stream; ``run.seed`` moves all of them."""
+    from laminar_core import BuildContext, load_config
+
+    def seeds(run_seed: int, base: int = 0) -> list[int]:
+        cfg = load_config(None, [f"run.seed={run_seed}"]).cfg
+        return [BuildContext(cfg, index=i).seed(base) for i in range(4)]
+
+    assert seeds(0) == [0, 1, 2, 3]
+    assert len(set(seeds(0) + seeds(1))) == 8
+    assert seeds(1, base=5) == [1005, 1006, 1007, 1008]
+    assert BuildContext(None, index=2).seed(7) == 9  # no config: the base and the index

@@ -35,6 +35,15 @@ class BuildContext:
     shared: dict[str, Any] = field(default_factory=dict)
     own_process: bool = False
 
+    def seed(self, base: int = 0) -> int:
+        """A seed for this instance's own random stream (a replica's sampler):
+        ``base`` (the engine's ``seed`` option) + 1000 * ``run.seed`` + ``index``, modulo
+        2**32 (numpy's range). Two replicas of a run never draw the same stream (up to 1000
+        replicas), and ``run.seed`` moves all of them; an instance rebuilt at the same
+        index (a replaced replica) draws its predecessor's."""
+        run_seed = getattr(getattr(self.config, "run", None), "seed", 0) or 0
+        return (base + 1000 * run_seed + self.index) % (1 << 32)
+
 
 def build(factory: Any, ctx: BuildContext) -> Any:
     """``factory.from_config(ctx)`` if it has one, else ``factory(ctx)``."""

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import importlib.util
 import itertools
 import os
@@ -126,7 +127,8 @@ class SGLangRolloutEngine(RolloutEngine):
         return cls(
             ctx.name or f"r{ctx.index}",
             cfg.model.path,
-            ctx.options or SGLangOptions(),
+            # each replica samples from a stream of its own (run.seed and its index)
+            dataclasses.replace(opt := ctx.options or SGLangOptions(), seed=ctx.seed(opt.seed)),
             model_dtype=cfg.model.dtype,
             gpus=ctx.gpus,
         )

@@ -23,7 +23,9 @@ class SGLangOptions:
     ``torch_native`` on CPU (the default ``intel_amx`` needs SGLang's CPU kernels) and
     SGLang's choice on GPU. ``sleep_on_idle``: the scheduler blocks instead of polling while
     nothing runs (frees a core while the trainer works). ``start_timeout_s``: how long the
-    engine may take to start before the replica reports failure.
+    engine may take to start before the replica reports failure. ``seed``: the base of the
+    replicas' ``random_seed``: replica ``i`` gets ``seed + 1000 * run.seed + i``
+    (``BuildContext.seed``), so no two replicas of a run draw the same stream.
     """
 
     device: str = "auto"

@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from laminar_core import (
+    BuildContext,
     FinishReason,
     GenerationRequest,
     ReplicaFailure,
@@ -166,6 +167,15 @@ def test_options_map_to_sglang_engine_args(model_dir):
     assert "attention_backend" not in gpu.engine_kwargs(model_dir)
     with pytest.raises(ValueError, match="device must be one of"):
         SGLangOptions(device="tpu")
+    # each replica samples from a seed of its own (rollout.sglang.seed + 1000 * run.seed + i)
+    cfg = load_config(None, ["run.seed=1", "model.path=m"]).cfg
+    seeds = [
+        SGLangRolloutEngine.from_config(BuildContext(cfg, OPTS, index=i)).engine_kwargs(model_dir)[
+            "random_seed"
+        ]
+        for i in range(2)
+    ]
+    assert seeds == [1000, 1001] and OPTS.seed == 0
     with pytest.raises(ValueError, match="stream_interval"):
         SGLangOptions(stream_interval=0)
 

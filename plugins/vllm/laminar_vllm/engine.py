@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import os
 import shutil
@@ -98,7 +99,8 @@ class VLLMRolloutEngine(RolloutEngine):
         return cls(
             ctx.name or f"r{ctx.index}",
             cfg.model.path,
-            ctx.options or VLLMOptions(),
+            # each replica samples from a stream of its own (run.seed and its index)
+            dataclasses.replace(opt := ctx.options or VLLMOptions(), seed=ctx.seed(opt.seed)),
             model_dtype=cfg.model.dtype,
             own_process=ctx.own_process,
         )

@@ -22,7 +22,9 @@ class VLLMOptions:
     gives the engine its own process (a Ray replica actor) and there is no CUDA (the CPU
     quickstart), else ``process``. ``worker_in_core``: in ``process`` mode on CPU, run the
     model inside the engine core (vLLM's ``uni`` executor) instead of a separate Worker
-    process (GPU runs with one device per replica do already).
+    process (GPU runs with one device per replica do already). ``seed``: the base of the
+    replicas' sampling seeds: replica ``i`` samples with ``seed + 1000 * run.seed + i``
+    (``BuildContext.seed``), so no two replicas of a run draw the same stream.
     """
 
     dtype: str = "auto"

@@ -304,3 +304,19 @@ if __name__ == "__main__":
 def test_an_unknown_engine_core_is_a_clear_error():
     with pytest.raises(ValueError, match="engine_core: unknown 'threads'; known: auto"):
         VLLMOptions(engine_core="threads")
+
+
+def test_each_replica_samples_from_a_seed_of_its_own():
+    """Two replicas given the same requests in the same order must not sample the same
+    tokens: each engine's seed is ``rollout.vllm.seed`` + 1000 * ``run.seed`` + its index."""
+    from laminar_core import BuildContext, load_config
+
+    resolved = load_config(
+        None, ["rollout.engine=vllm", "rollout.vllm.seed=3", "run.seed=2", "model.path=m"]
+    )
+    opts = resolved.engine_options["rollout"]
+    engines = [
+        VLLMRolloutEngine.from_config(BuildContext(resolved.cfg, opts, index=i)) for i in range(3)
+    ]
+    assert [e.opt.seed for e in engines] == [2003, 2004, 2005]
+    assert opts.seed == 3  # the config's options are not changed in place
