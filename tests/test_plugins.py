@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from laminar_core import plugins
+from laminar_core import BuildContext, load_config, plugins
 from laminar_core.interfaces import RolloutEngine
 from laminar_core.plugins import (
     KINDS,
@@ -522,7 +522,6 @@ def test_the_shipped_engines_implement_their_interfaces() -> None:
 
 def test_build_context_seed_is_distinct_per_instance_and_moves_with_run_seed() -> None:
     """Replicas of one run never share a sampling stream; ``run.seed`` moves all of them."""
-    from laminar_core import BuildContext, load_config
 
     def seeds(run_seed: int, base: int = 0) -> list[int]:
         cfg = load_config(None, [f"run.seed={run_seed}"]).cfg

@@ -124,11 +124,12 @@ class SGLangRolloutEngine(RolloutEngine):
     @classmethod
     def from_config(cls, ctx: BuildContext) -> SGLangRolloutEngine:
         cfg = ctx.config
+        opt = ctx.options or SGLangOptions()
         return cls(
             ctx.name or f"r{ctx.index}",
             cfg.model.path,
             # each replica samples from a stream of its own (run.seed and its index)
-            dataclasses.replace(opt := ctx.options or SGLangOptions(), seed=ctx.seed(opt.seed)),
+            dataclasses.replace(opt, seed=ctx.seed(opt.seed)),
             model_dtype=cfg.model.dtype,
             gpus=ctx.gpus,
         )

@@ -169,13 +169,9 @@ def test_options_map_to_sglang_engine_args(model_dir):
         SGLangOptions(device="tpu")
     # each replica samples from a seed of its own (rollout.sglang.seed + 1000 * run.seed + i)
     cfg = load_config(None, ["run.seed=1", "model.path=m"]).cfg
-    seeds = [
-        SGLangRolloutEngine.from_config(BuildContext(cfg, OPTS, index=i)).engine_kwargs(model_dir)[
-            "random_seed"
-        ]
-        for i in range(2)
-    ]
-    assert seeds == [1000, 1001] and OPTS.seed == 0
+    replicas = [SGLangRolloutEngine.from_config(BuildContext(cfg, OPTS, index=i)) for i in (0, 1)]
+    assert [r.engine_kwargs(model_dir)["random_seed"] for r in replicas] == [1000, 1001]
+    assert OPTS.seed == 0  # the options passed in are not changed in place
     with pytest.raises(ValueError, match="stream_interval"):
         SGLangOptions(stream_interval=0)
 

@@ -96,11 +96,12 @@ class VLLMRolloutEngine(RolloutEngine):
     @classmethod
     def from_config(cls, ctx: BuildContext) -> VLLMRolloutEngine:
         cfg = ctx.config
+        opt = ctx.options or VLLMOptions()
         return cls(
             ctx.name or f"r{ctx.index}",
             cfg.model.path,
             # each replica samples from a stream of its own (run.seed and its index)
-            dataclasses.replace(opt := ctx.options or VLLMOptions(), seed=ctx.seed(opt.seed)),
+            dataclasses.replace(opt, seed=ctx.seed(opt.seed)),
             model_dtype=cfg.model.dtype,
             own_process=ctx.own_process,
         )

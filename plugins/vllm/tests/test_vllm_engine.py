@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from laminar_core import FinishReason, GenerationRequest, SamplingParams
+from laminar_core import BuildContext, FinishReason, GenerationRequest, SamplingParams, load_config
 from laminar_core.models import build_tiny_model
 
 if importlib.util.find_spec("vllm") is None:
@@ -309,8 +309,6 @@ def test_an_unknown_engine_core_is_a_clear_error():
 def test_each_replica_samples_from_a_seed_of_its_own():
     """Two replicas given the same requests in the same order must not sample the same
     tokens: each engine's seed is ``rollout.vllm.seed`` + 1000 * ``run.seed`` + its index."""
-    from laminar_core import BuildContext, load_config
-
     resolved = load_config(
         None, ["rollout.engine=vllm", "rollout.vllm.seed=3", "run.seed=2", "model.path=m"]
     )
