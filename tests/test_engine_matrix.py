@@ -64,6 +64,10 @@ def _config(model: Path, out: Path, combo: str, *extra: str):
             "data.samples_per_prompt=4",
             "rollout.max_tokens=32",
             "rollout.heartbeat_timeout_s=300",
+            # at most one step's groups in flight: the last step's are admitted only after
+            # version 2 exists, so every replica pulls it (the default 4 lets all 3 steps'
+            # groups start on version 1, and whether a replica ever pulls 2 is then timing)
+            "buffer.max_ahead_batches=1",
             "telemetry.progress=false",
             *overrides,
             *extra,
