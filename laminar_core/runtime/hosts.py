@@ -17,7 +17,7 @@ import torch
 from laminar_core.interfaces import BuildContext, TensorWeights, TrainerContext, build
 from laminar_core.plugins import default_manager
 from laminar_core.plugins.resolve import resolve
-from laminar_core.runtime.ray_calls import limit_threads, log_to
+from laminar_core.runtime.ray_calls import detach_resource_tracker, limit_threads, log_to
 
 
 def _engine(config_yaml: str, kind: str, index: int, name: str, gpus: int) -> Any:
@@ -41,6 +41,8 @@ class RolloutHost:
     ) -> None:
         log_to(log_path)
         limit_threads()
+        # before the engine starts processes: what they leave must outlive this actor
+        detach_resource_tracker()
         self.engine, _ = _engine(config_yaml, "rollout", index, name, gpus)
 
     async def call(self, method: str, *args: Any) -> Any:

@@ -3,7 +3,8 @@
 ``ACTOR_GONE`` are the exceptions that mean the actor (its process or its node) is gone;
 ``engine_error`` unwraps Ray's ``RayTaskError`` to the engine's own exception, so messages
 name the cause, not Ray's wrapper; ``limit_threads`` keeps torch in an actor process to the
-threads it was given.
+threads it was given; ``detach_resource_tracker`` lets what an actor's engine processes
+registered with multiprocessing outlive the actor's process group, so it is cleaned up.
 """
 
 from __future__ import annotations
@@ -14,7 +15,14 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError,
 
 ACTOR_GONE = (ActorDiedError, ActorUnavailableError, RayActorError)
 
-__all__ = ["ACTOR_GONE", "RayTaskError", "engine_error", "limit_threads", "log_to"]
+__all__ = [
+    "ACTOR_GONE",
+    "RayTaskError",
+    "detach_resource_tracker",
+    "engine_error",
+    "limit_threads",
+    "log_to",
+]
 
 
 def engine_error(e: RayTaskError) -> BaseException:
@@ -47,3 +55,71 @@ def log_to(path: str | None) -> None:
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
+
+
+def detach_resource_tracker() -> int | None:
+    """Start this process's multiprocessing resource tracker outside the process: in a
+    session of its own and not as its child. Returns its pid, or ``None`` where a tracker
+    was already running or this Python's tracker is not the one this knows (then nothing
+    changes).
+
+    Why: an engine that runs processes of its own (vLLM's engine core and workers, started
+    with ``spawn``) creates named semaphores and shared memory in ``/dev/shm``, registered
+    with the tracker, which unlinks whatever is left once every process holding its pipe is
+    gone. When Ray ends an actor it kills the actor's child processes (``ray.kill``) or its
+    whole process group (the actor died): the tracker died with the engine and nothing
+    unlinked its names (``sem.mp-*`` files in /dev/shm after every restarted replica,
+    measured). Detached, it outlives them, sees its pipe close when the last of them is
+    gone, unlinks what they left and exits.
+
+    The tracker runs as ``ResourceTracker.ensure_running`` starts it (CPython 3.11-3.13: the
+    same command; ``_fd`` is the pipe's write end, ``_pid`` the process), launched through a
+    short-lived intermediate process so that it is not this process's child."""
+    import signal
+    import subprocess
+    from multiprocessing import resource_tracker, spawn, util
+
+    tracker = resource_tracker._resource_tracker
+    if not all(hasattr(tracker, a) for a in ("_lock", "_fd", "_pid")):
+        return None
+    with tracker._lock:
+        if tracker._fd is not None:
+            return None
+        r, w = os.pipe()
+        exe = spawn.get_executable()
+        command = [exe, *util._args_from_interpreter_flags(), "-c"]
+        command.append(f"from multiprocessing.resource_tracker import main;main({r})")
+        # as ensure_running: SIGINT/SIGTERM blocked until the tracker has its own handlers
+        blocked = {signal.SIGINT, signal.SIGTERM}
+        signal.pthread_sigmask(signal.SIG_BLOCK, blocked)
+        try:
+            done = subprocess.run(
+                [exe, "-c", _LAUNCH, str(r), *command],
+                pass_fds=[r],
+                stdout=subprocess.PIPE,
+                text=True,
+                check=True,
+                timeout=60,
+            )
+            pid = int(done.stdout)
+        except BaseException:
+            os.close(w)
+            raise
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, blocked)
+            os.close(r)
+        tracker._fd, tracker._pid = w, pid
+        return pid
+
+
+# the intermediate: starts the tracker (argv[2:]) in a new session, says its pid, and exits,
+# leaving it to init. The tracker writes only to stderr (the actor's: its log); not holding
+# stdout, it lets the caller read the pid to the end.
+_LAUNCH = """
+import os, subprocess, sys
+proc = subprocess.Popen(
+    sys.argv[2:], pass_fds=[int(sys.argv[1])], start_new_session=True, stdout=subprocess.DEVNULL
+)
+print(proc.pid, flush=True)
+os._exit(0)
+"""

@@ -81,12 +81,19 @@ def chaos_run(two_nodes, tmp_path_factory):
         ],
     )
     run_dir = make_run_dir(resolved)
+    before = _multiprocessing_shm()
     result = asyncio.run(run_with_faults(resolved, FAULTS, run_dir))
-    return result, shm
+    return result, shm, before
+
+
+def _multiprocessing_shm() -> set[Path]:
+    """multiprocessing's named semaphores and shared memory in /dev/shm now (vLLM's engine
+    processes make both; their resource tracker unlinks them)."""
+    return {*Path("/dev/shm").glob("sem.mp-*"), *Path("/dev/shm").glob("psm_*")}
 
 
 def test_the_run_reaches_its_last_step_with_nothing_lost_or_trained_twice(chaos_run):
-    result, _ = chaos_run
+    result, *_ = chaos_run
     audit = result.audit
     assert result.steps == 11
     assert audit.ok, audit.problems
@@ -95,7 +102,7 @@ def test_the_run_reaches_its_last_step_with_nothing_lost_or_trained_twice(chaos_
 
 
 def test_every_fault_was_detected_and_recovered(chaos_run):
-    result, _ = chaos_run
+    result, *_ = chaos_run
     assert [o.fault.kind for o in result.outcomes] == [f.kind for f in FAULTS]
     for o in result.outcomes:
         assert o.pids, o
@@ -106,7 +113,7 @@ def test_every_fault_was_detected_and_recovered(chaos_run):
 def test_nothing_of_the_run_is_left_behind(chaos_run):
     import time
 
-    result, shm = chaos_run
+    result, shm, before = chaos_run
     assert result.pids and result.shm_files  # what the run had: actors, engines, queues
     # every process the run had is gone (Ray's actor workers, vLLM's engine processes)
     for _ in range(60):
@@ -119,3 +126,11 @@ def test_nothing_of_the_run_is_left_behind(chaos_run):
     # (the run removes relay.shm_dir itself once empty)
     assert not Path(shm).exists() or not any(Path(shm).iterdir()), list(Path(shm).iterdir())
     assert not [f for f in result.shm_files if Path(f).exists()]
+    # nor what the killed replicas' engine processes had registered with multiprocessing
+    # (Ray killed each actor's process group; the detached resource tracker unlinks them)
+    for _ in range(60):
+        left = _multiprocessing_shm() - before
+        if not left:
+            break
+        time.sleep(0.5)
+    assert not left, sorted(map(str, left))
