@@ -1,7 +1,7 @@
 """Is our side of ``grpo_vs_trl.py`` the same algorithm as TRL's? Two checks on its workload.
 
     python benchmarks/trl_parity.py sampling [--model DIR] [--samples 64]
-    python benchmarks/trl_parity.py loop [--model DIR] [--seed 1] [--steps 40]
+    python benchmarks/trl_parity.py loop [--model DIR] [--seed 1] [--steps 40] [--trainer fsdp]
 
 ``sampling``: responses from one model on the same 8 prompts, drawn by vLLM (what our
 replicas run) and by transformers' ``generate`` (TRL's CPU path): mean length (with its
@@ -13,7 +13,11 @@ responses per step, group-std advantages, one token mean over the batch (``dapo`
 against the sampling policy, AdamW with the config's ``trainer.fsdp`` settings, one update
 per batch; the held-out eval of ``grpo_vs_trl.py`` every 10 steps. Its eval curve is a
 third reading beside the ``trl`` and ``sync`` arms (our trainer's update equals this one:
-``plugins/fsdp/tests/test_fsdp_reference_update.py``).
+``plugins/fsdp/tests/test_fsdp_reference_update.py``). ``--trainer fsdp`` takes each update
+with Laminar's FSDP engine instead (one gloo rank in this process, behaviour log-probs from
+the sampling model, the engine's exported weights loaded back for the next step): with the
+same ``--seed`` the two runs draw the same samples for as long as their weights agree, so
+their lines match step for step when the engine's update is TRL's.
 
 The model defaults to ``runs/small-qwen2`` (``laminar tiny-model runs/small-qwen2 --preset
 small --seed N`` builds it); the workload is ``examples/longtail.yaml``.
@@ -22,6 +26,7 @@ small --seed N`` builds it); the workload is ``examples/longtail.yaml``.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import statistics
 import sys
@@ -149,6 +154,7 @@ def loop(a: argparse.Namespace) -> None:
         eps=fsdp.eps,
         weight_decay=fsdp.weight_decay,
     )
+    engine = fsdp_engine(resolved) if a.trainer == "fsdp" else None
     torch.manual_seed(a.seed)
 
     t0 = time.monotonic()
@@ -165,15 +171,18 @@ def loop(a: argparse.Namespace) -> None:
             rewards.std(1, keepdim=True) + cfg.algorithm.adv_eps
         )
         loss, tokens = torch.zeros(()), 0
-        for a_i, (p, ids) in zip(adv.view(-1), pairs, strict=True):
+        for a_i, (p, ids) in zip(adv.view(-1), pairs if engine is None else [], strict=False):
             logits = model(input_ids=torch.tensor([p.ids + ids])).logits[0, len(p.ids) - 1 : -1]
             lp = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(ids)[:, None])[:, 0]
             loss = loss - (torch.exp(lp - lp.detach()) * a_i).sum()  # ratio 1, its gradient
             tokens += len(ids)
-        optim.zero_grad()
-        (loss / tokens).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), fsdp.grad_clip)
-        optim.step()
+        if engine is None:
+            optim.zero_grad()
+            (loss / tokens).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), fsdp.grad_clip)
+            optim.step()
+        else:  # the same batch through Laminar's FSDP engine; its weights back into `model`
+            step_on_engine(engine, step, pairs, rewards.view(-1), model)
         mean_len = statistics.fmean(len(ids) for _, ids in pairs)
         line = (
             f"step {step:>3}  reward {rewards.mean():.3f}  length {mean_len:.0f}  "
@@ -184,6 +193,56 @@ def loop(a: argparse.Namespace) -> None:
         say(line)
 
 
+def fsdp_engine(resolved: Any) -> Any:
+    """Laminar's FSDP trainer engine, one gloo rank in this process, set up on the model."""
+    from laminar_core import BuildContext, TrainerContext
+    from laminar_fsdp.engine import FSDPTrainerEngine
+
+    cfg, opt = resolved.cfg, resolved.engine_options["trainer"]
+    engine = FSDPTrainerEngine.from_config(BuildContext(cfg, opt, 0, "trainer"))
+    ctx = TrainerContext(0, 1, opt, cfg.algorithm, {"seed": cfg.run.seed})
+    _LOOP.run_until_complete(engine.setup(ctx))
+    return engine
+
+
+_LOOP = asyncio.new_event_loop()
+
+
+def step_on_engine(engine: Any, step: int, pairs: list, rewards: torch.Tensor, model) -> None:
+    """One optimiser step of ``engine`` on ``pairs`` (prompt row, response ids) with
+    ``rewards``, behaviour log-probs from ``model`` (the weights that sampled them); then
+    ``model`` takes the engine's new weights."""
+    from laminar_core.types import FinishReason, Group, TrainBatch, Trajectory
+
+    groups: dict[int, Group] = {}
+    with torch.no_grad():
+        for k, ((p, ids), r) in enumerate(zip(pairs, rewards.tolist(), strict=True)):
+            logits = model(input_ids=torch.tensor([p.ids + ids])).logits[0, len(p.ids) - 1 : -1]
+            lp = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(ids)[:, None])
+            g = groups.setdefault(id(p), Group(f"g{step}-{len(groups)}", len(groups), []))
+            g.trajectories.append(
+                Trajectory(
+                    traj_id=f"t{step}-{k}",
+                    group_id=g.group_id,
+                    version=step,
+                    prompt_ids=list(p.ids),
+                    response_ids=list(ids),
+                    logprobs=lp[:, 0].tolist(),
+                    num_prompt_tokens=len(p.ids),
+                    num_response_tokens=len(ids),
+                    finish_reason=FinishReason.STOP,
+                    reward=float(r),
+                )
+            )
+    _LOOP.run_until_complete(engine.train_step(TrainBatch(step, list(groups.values()), step)))
+
+    async def weights() -> dict[str, torch.Tensor]:
+        return {name: t async for name, t in engine.export_weights()}
+
+    missing, _ = model.load_state_dict(_LOOP.run_until_complete(weights()), strict=False)
+    assert not [m for m in missing if m != "lm_head.weight"], missing  # tied to embeddings
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("part", choices=["sampling", "loop"])
@@ -191,6 +250,12 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=1, help="prompt order (and sampling seed)")
     ap.add_argument("--samples", type=int, default=64, help="sampling: responses per prompt")
     ap.add_argument("--steps", type=int, default=40, help="loop: optimiser steps")
+    ap.add_argument(
+        "--trainer",
+        choices=["torch", "fsdp"],
+        default="torch",
+        help="loop: the update in plain torch (TRL's algorithm), or Laminar's FSDP engine",
+    )
     a = ap.parse_args()
     torch.set_num_threads(1)
     if not os.path.exists(os.path.join(a.model, "config.json")):
