@@ -1,7 +1,8 @@
 """Is our side of ``grpo_vs_trl.py`` the same algorithm as TRL's? Two checks on its workload.
 
     python benchmarks/trl_parity.py sampling [--model DIR] [--samples 64]
-    python benchmarks/trl_parity.py loop [--model DIR] [--seed 1] [--steps 40] [--trainer fsdp]
+    python benchmarks/trl_parity.py loop [--model DIR] [--seed 1] [--steps 40]
+        [--trainer torch|fsdp] [--sampler generate|vllm]
 
 ``sampling``: responses from one model on the same 8 prompts, drawn by vLLM (what our
 replicas run) and by transformers' ``generate`` (TRL's CPU path): mean length (with its
@@ -17,7 +18,10 @@ third reading beside the ``trl`` and ``sync`` arms (our trainer's update equals 
 with Laminar's FSDP engine instead (one gloo rank in this process, behaviour log-probs from
 the sampling model, the engine's exported weights loaded back for the next step): with the
 same ``--seed`` the two runs draw the same samples for as long as their weights agree, so
-their lines match step for step when the engine's update is TRL's.
+their lines match step for step when the engine's update is TRL's. ``--sampler vllm`` draws
+the samples with vLLM in this process instead of ``generate``, loading each update through
+the replicas' worker extension (``laminar_vllm.worker.WeightLoader``): TRL's loop with our
+sampler, weights reloaded every step as a replica reloads them.
 
 The model defaults to ``runs/small-qwen2`` (``laminar tiny-model runs/small-qwen2 --preset
 small --seed N`` builds it); the workload is ``examples/longtail.yaml``.
@@ -155,6 +159,7 @@ def loop(a: argparse.Namespace) -> None:
         weight_decay=fsdp.weight_decay,
     )
     engine = fsdp_engine(resolved) if a.trainer == "fsdp" else None
+    llm = _vllm_sampler(a.model, resolved, a.seed) if a.sampler == "vllm" else None
     torch.manual_seed(a.seed)
 
     t0 = time.monotonic()
@@ -163,7 +168,10 @@ def loop(a: argparse.Namespace) -> None:
         model.eval()
         with torch.no_grad():
             batch = [p.ids for p in rows for _ in range(group)]
-            out = _generate(model, tok, batch, cfg.rollout.max_tokens)
+            if llm is None:
+                out = _generate(model, tok, batch, cfg.rollout.max_tokens)
+            else:
+                out = _vllm_generate(llm, batch, cfg.rollout.max_tokens)
         model.train()
         pairs = [(p, out[i * group + j]) for i, p in enumerate(rows) for j in range(group)]
         rewards = torch.tensor([score(ids, p.metadata) for p, ids in pairs]).view(per_step, -1)
@@ -183,6 +191,8 @@ def loop(a: argparse.Namespace) -> None:
             optim.step()
         else:  # the same batch through Laminar's FSDP engine; its weights back into `model`
             step_on_engine(engine, step, pairs, rewards.view(-1), model)
+        if llm is not None:  # the sampler takes the new weights, as a replica does
+            _vllm_load(llm, model)
         mean_len = statistics.fmean(len(ids) for _, ids in pairs)
         line = (
             f"step {step:>3}  reward {rewards.mean():.3f}  length {mean_len:.0f}  "
@@ -191,6 +201,46 @@ def loop(a: argparse.Namespace) -> None:
         if step % 10 == 9:
             line += f"  eval {hf_eval_reward(model, tok, held, cfg, reward):.3f}"
         say(line)
+
+
+def _vllm_sampler(path: str, resolved: Any, seed: int) -> Any:
+    """vLLM in this process, with Laminar's worker extension for loading new weights."""
+    from vllm import LLM
+
+    return LLM(
+        model=path,
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=resolved.engine_options["rollout"].max_model_len,
+        seed=seed,
+        kv_cache_memory_bytes=128 << 20,
+        worker_extension_cls="laminar_vllm.worker.WeightLoader",
+    )
+
+
+def _vllm_generate(llm: Any, batch: list[list[int]], max_new: int) -> list[list[int]]:
+    """Sampled responses (temperature 1, no top-k/p), EOS included, as a replica draws them."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=max_new)
+    outs = llm.generate(
+        [TokensPrompt(prompt_token_ids=ids) for ids in batch], params, use_tqdm=False
+    )
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def _vllm_load(llm: Any, model) -> None:
+    """``model``'s weights into ``llm`` through a safetensors file (the replicas' loader)."""
+    import tempfile
+
+    from safetensors.torch import save_file
+
+    tensors = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    tensors.pop("lm_head.weight", None)  # tied to the embedding
+    with tempfile.NamedTemporaryFile(suffix=".safetensors") as f:
+        save_file(tensors, f.name)
+        llm.collective_rpc("laminar_load_weights", args=(f.name,))
 
 
 def fsdp_engine(resolved: Any) -> Any:
@@ -255,6 +305,13 @@ def main() -> None:
         choices=["torch", "fsdp"],
         default="torch",
         help="loop: the update in plain torch (TRL's algorithm), or Laminar's FSDP engine",
+    )
+    ap.add_argument(
+        "--sampler",
+        choices=["generate", "vllm"],
+        default="generate",
+        help="loop: sample with transformers' generate (TRL's CPU path) or with vLLM, "
+        "reloading the weights after every update as a replica does",
     )
     a = ap.parse_args()
     torch.set_num_threads(1)
