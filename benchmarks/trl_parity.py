@@ -223,11 +223,18 @@ def _vllm_generate(llm: Any, batch: list[list[int]], max_new: int) -> list[list[
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    params = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=max_new)
+    params = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=max_new, logprobs=0)
     outs = llm.generate(
         [TokensPrompt(prompt_token_ids=ids) for ids in batch], params, use_tqdm=False
     )
+    _BEHAVIOUR.clear()  # the sampled tokens' vLLM log-probs, as a replica reports them
+    for o in outs:
+        c = o.outputs[0]
+        _BEHAVIOUR.append([d[t].logprob for d, t in zip(c.logprobs, c.token_ids, strict=True)])
     return [list(o.outputs[0].token_ids) for o in outs]
+
+
+_BEHAVIOUR: list[list[float]] = []  # per response of the last vLLM batch
 
 
 def _vllm_load(llm: Any, model) -> None:
@@ -260,15 +267,19 @@ _LOOP = asyncio.new_event_loop()
 
 def step_on_engine(engine: Any, step: int, pairs: list, rewards: torch.Tensor, model) -> None:
     """One optimiser step of ``engine`` on ``pairs`` (prompt row, response ids) with
-    ``rewards``, behaviour log-probs from ``model`` (the weights that sampled them); then
-    ``model`` takes the engine's new weights."""
+    ``rewards``; behaviour log-probs are vLLM's when it sampled them, else ``model``'s (the
+    weights that sampled them); then ``model`` takes the engine's new weights."""
     from laminar_core.types import FinishReason, Group, TrainBatch, Trajectory
 
     groups: dict[int, Group] = {}
     with torch.no_grad():
         for k, ((p, ids), r) in enumerate(zip(pairs, rewards.tolist(), strict=True)):
-            logits = model(input_ids=torch.tensor([p.ids + ids])).logits[0, len(p.ids) - 1 : -1]
-            lp = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(ids)[:, None])
+            if _BEHAVIOUR:  # sampled by vLLM: its log-probs are the behaviour, as in a run
+                lp = torch.tensor(_BEHAVIOUR[k])[:, None]
+            else:
+                x = torch.tensor([p.ids + ids])
+                logits = model(input_ids=x).logits[0, len(p.ids) - 1 : -1]
+                lp = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(ids)[:, None])
             g = groups.setdefault(id(p), Group(f"g{step}-{len(groups)}", len(groups), []))
             g.trajectories.append(
                 Trajectory(
