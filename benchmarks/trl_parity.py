@@ -16,7 +16,8 @@ per batch; the held-out eval of ``grpo_vs_trl.py`` every 10 steps. Its eval curv
 third reading beside the ``trl`` and ``sync`` arms (our trainer's update equals this one:
 ``plugins/fsdp/tests/test_fsdp_reference_update.py``). ``--trainer fsdp`` takes each update
 with Laminar's FSDP engine instead (one gloo rank in this process, behaviour log-probs from
-the sampling model, the engine's exported weights loaded back for the next step): with the
+the sampler: the model's own, or vLLM's as a replica reports them; the engine's exported
+weights loaded back for the next step): with the
 same ``--seed`` the two runs draw the same samples for as long as their weights agree, so
 their lines match step for step when the engine's update is TRL's. ``--sampler vllm`` draws
 the samples with vLLM in this process instead of ``generate``, loading each update through
@@ -98,21 +99,14 @@ def _generate(model, tok, batch: list[list[int]], max_new: int) -> list[list[int
 
 def sampling(a: argparse.Namespace) -> None:
     from transformers import AutoModelForCausalLM
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     resolved, tok, prompts, _, score = _setup(a.model, a.seed)
     prompts = prompts[:8]
     max_tokens = resolved.cfg.rollout.max_tokens
     drawn: dict[str, list[tuple[int, float]]] = {"vllm": [], "generate": []}
-    llm = LLM(
-        model=a.model,
-        dtype="float32",
-        enforce_eager=True,
-        max_model_len=resolved.engine_options["rollout"].max_model_len,
-        seed=a.seed,
-        kv_cache_memory_bytes=128 << 20,
-    )
+    llm = _vllm_sampler(a.model, resolved, a.seed)
     params = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=max_tokens)
     for p in prompts:
         outs = llm.generate(
@@ -168,29 +162,28 @@ def loop(a: argparse.Namespace) -> None:
         model.eval()
         with torch.no_grad():
             batch = [p.ids for p in rows for _ in range(group)]
-            if llm is None:
-                out = _generate(model, tok, batch, cfg.rollout.max_tokens)
+            if llm is None:  # behaviour log-probs: the sampling model's, when needed
+                out, behaviour = _generate(model, tok, batch, cfg.rollout.max_tokens), None
             else:
-                out = _vllm_generate(llm, batch, cfg.rollout.max_tokens)
+                out, behaviour = _vllm_generate(llm, batch, cfg.rollout.max_tokens)
         model.train()
         pairs = [(p, out[i * group + j]) for i, p in enumerate(rows) for j in range(group)]
         rewards = torch.tensor([score(ids, p.metadata) for p, ids in pairs]).view(per_step, -1)
         adv = (rewards - rewards.mean(1, keepdim=True)) / (
             rewards.std(1, keepdim=True) + cfg.algorithm.adv_eps
         )
-        loss, tokens = torch.zeros(()), 0
-        for a_i, (p, ids) in zip(adv.view(-1), pairs if engine is None else [], strict=False):
-            logits = model(input_ids=torch.tensor([p.ids + ids])).logits[0, len(p.ids) - 1 : -1]
-            lp = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(ids)[:, None])[:, 0]
-            loss = loss - (torch.exp(lp - lp.detach()) * a_i).sum()  # ratio 1, its gradient
-            tokens += len(ids)
         if engine is None:
+            loss, tokens = torch.zeros(()), 0
+            for a_i, (p, ids) in zip(adv.view(-1), pairs, strict=True):
+                lp = _response_logprobs(model, p.ids, ids)
+                loss = loss - (torch.exp(lp - lp.detach()) * a_i).sum()  # ratio 1, its gradient
+                tokens += len(ids)
             optim.zero_grad()
             (loss / tokens).backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), fsdp.grad_clip)
             optim.step()
         else:  # the same batch through Laminar's FSDP engine; its weights back into `model`
-            step_on_engine(engine, step, pairs, rewards.view(-1), model)
+            step_on_engine(engine, step, pairs, rewards.view(-1), model, behaviour)
         if llm is not None:  # the sampler takes the new weights, as a replica does
             _vllm_load(llm, model)
         mean_len = statistics.fmean(len(ids) for _, ids in pairs)
@@ -201,6 +194,12 @@ def loop(a: argparse.Namespace) -> None:
         if step % 10 == 9:
             line += f"  eval {hf_eval_reward(model, tok, held, cfg, reward):.3f}"
         say(line)
+
+
+def _response_logprobs(model, prompt: list[int], response: list[int]) -> torch.Tensor:
+    """``model``'s log-prob of each response token after ``prompt`` (one row, no padding)."""
+    logits = model(input_ids=torch.tensor([prompt + response])).logits[0, len(prompt) - 1 : -1]
+    return torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(response)[:, None])[:, 0]
 
 
 def _vllm_sampler(path: str, resolved: Any, seed: int) -> Any:
@@ -218,8 +217,11 @@ def _vllm_sampler(path: str, resolved: Any, seed: int) -> Any:
     )
 
 
-def _vllm_generate(llm: Any, batch: list[list[int]], max_new: int) -> list[list[int]]:
-    """Sampled responses (temperature 1, no top-k/p), EOS included, as a replica draws them."""
+def _vllm_generate(
+    llm: Any, batch: list[list[int]], max_new: int
+) -> tuple[list[list[int]], list[list[float]]]:
+    """Sampled responses (temperature 1, no top-k/p), EOS included, and their tokens'
+    log-probs as vLLM reports them (a replica's behaviour log-probs)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -227,14 +229,9 @@ def _vllm_generate(llm: Any, batch: list[list[int]], max_new: int) -> list[list[
     outs = llm.generate(
         [TokensPrompt(prompt_token_ids=ids) for ids in batch], params, use_tqdm=False
     )
-    _BEHAVIOUR.clear()  # the sampled tokens' vLLM log-probs, as a replica reports them
-    for o in outs:
-        c = o.outputs[0]
-        _BEHAVIOUR.append([d[t].logprob for d, t in zip(c.logprobs, c.token_ids, strict=True)])
-    return [list(o.outputs[0].token_ids) for o in outs]
-
-
-_BEHAVIOUR: list[list[float]] = []  # per response of the last vLLM batch
+    done = [o.outputs[0] for o in outs]
+    logprobs = [[d[t].logprob for d, t in zip(c.logprobs, c.token_ids, strict=True)] for c in done]
+    return [list(c.token_ids) for c in done], logprobs
 
 
 def _vllm_load(llm: Any, model) -> None:
@@ -265,21 +262,23 @@ def fsdp_engine(resolved: Any) -> Any:
 _LOOP = asyncio.new_event_loop()
 
 
-def step_on_engine(engine: Any, step: int, pairs: list, rewards: torch.Tensor, model) -> None:
+def step_on_engine(
+    engine: Any,
+    step: int,
+    pairs: list,
+    rewards: torch.Tensor,
+    model,
+    behaviour: list[list[float]] | None,
+) -> None:
     """One optimiser step of ``engine`` on ``pairs`` (prompt row, response ids) with
-    ``rewards``; behaviour log-probs are vLLM's when it sampled them, else ``model``'s (the
-    weights that sampled them); then ``model`` takes the engine's new weights."""
+    ``rewards`` and ``behaviour`` log-probs (``None``: ``model``'s, the weights that sampled
+    them); then ``model`` takes the engine's new weights."""
     from laminar_core.types import FinishReason, Group, TrainBatch, Trajectory
 
     groups: dict[int, Group] = {}
     with torch.no_grad():
         for k, ((p, ids), r) in enumerate(zip(pairs, rewards.tolist(), strict=True)):
-            if _BEHAVIOUR:  # sampled by vLLM: its log-probs are the behaviour, as in a run
-                lp = torch.tensor(_BEHAVIOUR[k])[:, None]
-            else:
-                x = torch.tensor([p.ids + ids])
-                logits = model(input_ids=x).logits[0, len(p.ids) - 1 : -1]
-                lp = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(ids)[:, None])
+            lp = behaviour[k] if behaviour else _response_logprobs(model, p.ids, ids).tolist()
             g = groups.setdefault(id(p), Group(f"g{step}-{len(groups)}", len(groups), []))
             g.trajectories.append(
                 Trajectory(
@@ -288,7 +287,7 @@ def step_on_engine(engine: Any, step: int, pairs: list, rewards: torch.Tensor, m
                     version=step,
                     prompt_ids=list(p.ids),
                     response_ids=list(ids),
-                    logprobs=lp[:, 0].tolist(),
+                    logprobs=lp,
                     num_prompt_tokens=len(p.ids),
                     num_response_tokens=len(ids),
                     finish_reason=FinishReason.STOP,
