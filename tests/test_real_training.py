@@ -77,7 +77,7 @@ def _kill_actors(run) -> None:
 def first_run(ray_cluster, tmp_path_factory):
     model = build_tiny_model(tmp_path_factory.mktemp("model") / "tiny", seed=0)
     out = tmp_path_factory.mktemp("runs")
-    resolved = _config(model, out, "run.steps=3")
+    resolved = _config(model, out, "run.steps=3", "run.dump_rollouts=true")
 
     async def go():
         run_dir = make_run_dir(resolved)
@@ -154,6 +154,19 @@ def test_no_trajectory_lost_or_duplicated(first_run):
         assert all(len(g.trajectories) == 4 for g in b.groups)
     prompts = [g.prompt_index for b in run.controller.batches for g in b.groups]
     assert len(prompts) == len(set(prompts))
+
+
+def test_dump_rollouts_holds_what_the_trainer_trained_on(first_run):
+    import json
+
+    _, _, run, run_dir = first_run
+    rows = [json.loads(x) for x in (run_dir / "rollouts.jsonl").read_text().splitlines()]
+    trained = [(b.step, t) for b in run.controller.batches for t in b.trajectories]
+    assert [r["traj_id"] for r in rows] == [t.traj_id for _, t in trained]
+    for r, (step, t) in zip(rows, trained, strict=True):
+        assert r["step"] == step and r["reward"] == t.reward
+        assert r["prompt_ids"] == t.prompt_ids and r["response_ids"] == t.response_ids
+        assert r["logprobs"] == pytest.approx(t.logprobs, abs=1e-6)
 
 
 def test_vllm_logprobs_agree_with_the_trainer(first_run):

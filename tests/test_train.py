@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import yaml
 
 from laminar_core.cli import main
@@ -30,6 +31,7 @@ def test_train_writes_run_directory(tmp_path: Path, capsys) -> None:
     assert {"config.yaml", "metrics.jsonl", "events.jsonl", "trace.json"} <= {
         p.name for p in run_dir.iterdir()
     }
+    assert not (run_dir / "rollouts.jsonl").exists()  # only with run.dump_rollouts
     cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
     assert cfg["run"]["steps"] == 3 and cfg["rollout"]["sim"]["decode_step_s"] == 0.001
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -102,3 +104,41 @@ def test_resume_without_a_checkpoint_is_a_clear_error(tmp_path: Path, capsys) ->
     )
     assert rc == 2
     assert "no checkpoint there" in capsys.readouterr().err
+
+
+def test_dump_rollouts_writes_every_trained_trajectory_once(tmp_path: Path) -> None:
+    rc = main(
+        [
+            "train",
+            str(ROOT / "examples/train_sim_tiny.yaml"),
+            f"run.out_dir={tmp_path}",
+            "run.steps=3",
+            "run.dump_rollouts=true",
+            "telemetry.progress=false",
+        ]
+    )
+    assert rc == 0
+    (run_dir,) = list(tmp_path.iterdir())
+    cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+    per_group = cfg["data"]["samples_per_prompt"]
+    rows = [json.loads(line) for line in (run_dir / "rollouts.jsonl").read_text().splitlines()]
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert len({r["traj_id"] for r in rows}) == len(rows)  # none written twice
+    for m in metrics:  # every trained trajectory of the step, as the step counted them
+        mine = [r for r in rows if r["step"] == m["step"]]
+        assert len(mine) == m["trajectories"]
+        assert {r["weight_version"] for r in mine} == {m["weight_version"]}
+        rewards = [r["reward"] for r in mine if r["reward"] is not None]
+        assert (sum(rewards) / len(rewards) if rewards else None) == pytest.approx(
+            m["reward_mean"]
+        )
+        groups: dict[str, list[dict]] = {}
+        for r in mine:
+            groups.setdefault(r["group_id"], []).append(r)
+        assert {len(g) for g in groups.values()} == {per_group}
+        for g in groups.values():  # a group is one prompt's samples
+            assert len({(r["prompt_index"], tuple(r["prompt_ids"])) for r in g}) == 1
+        for r in mine:
+            assert len(r["logprobs"]) == len(r["response_ids"])
+            assert r["finish_reason"] in ("stop", "length")
+            assert max(r["versions"]) < m["weight_version"]

@@ -28,6 +28,10 @@ class RunConfig:
     # Held-out eval rounds (data.eval_*): after every eval_every steps and after the last;
     # 0: none; -1: only after the last step.
     eval_every: int = 0
+    # Write every trained trajectory (ids, log-probs, reward, versions, finish reason) to
+    # RUN_DIR/rollouts.jsonl, one line each, in training order: to inspect or replay what the
+    # trainer learned from (verl's rollout_data_dir, slime's debug rollout dump).
+    dump_rollouts: bool = False
 
 
 @dataclass

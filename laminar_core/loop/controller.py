@@ -35,7 +35,7 @@ from laminar_core.loop.manager import RolloutManager
 from laminar_core.loop.trainer_group import TrainerGroup
 from laminar_core.relay.protocol import RelayUnavailable
 from laminar_core.relay.tier import PublishResult, RelayTier
-from laminar_core.telemetry import EventLog, MetricsWriter
+from laminar_core.telemetry import EventLog, MetricsWriter, RolloutDump
 from laminar_core.types import FinishReason, Group, TrainBatch, Trajectory
 
 log = logging.getLogger(__name__)
@@ -113,6 +113,7 @@ class Controller:
         events: EventLog | None = None,
         run_dir: Path | None = None,
         restart_trainer: RestartTrainerFn | None = None,
+        rollouts: RolloutDump | None = None,
     ) -> None:
         self.trainer = trainer
         self.manager = manager
@@ -123,6 +124,7 @@ class Controller:
         self.events = events or EventLog(enabled=False)
         self.run_dir = run_dir
         self.restart_trainer = restart_trainer
+        self.rollouts = rollouts  # run.dump_rollouts: every trained trajectory, as trained
         self.records: list[StepRecord] = []
         self.batches: list[TrainBatch] = []  # consumed batches, kept only with keep_batches
         self.keep_batches = False
@@ -233,6 +235,8 @@ class Controller:
             await self.manager.stop()
             await self.tier.close()
             self.metrics.close()
+            if self.rollouts is not None:
+                self.rollouts.close()
         return self.records
 
     async def _checkpoint_or_recover(self) -> None:
@@ -270,6 +274,8 @@ class Controller:
         prompts = [g.prompt_index for g in batch.groups]
         self.consumed_prompts.update(prompts)
         self._since_checkpoint += prompts
+        if self.rollouts is not None:
+            self.rollouts.write(step, version, batch.groups)
         self._tell_manager(pub, version, self.manager.consumed_groups + len(batch.groups))
         rewards = [t.reward for t in trajs if t.reward is not None]
         rec = StepRecord(

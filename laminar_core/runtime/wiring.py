@@ -25,7 +25,7 @@ from laminar_core.relay.node import NodeRelay
 from laminar_core.runtime.placement import Placement, plan_placement
 from laminar_core.runtime.run import Run, Runtime, Started
 from laminar_core.tasks import build_prompts
-from laminar_core.telemetry import EventLog, MetricsWriter
+from laminar_core.telemetry import ROLLOUTS_FILE, EventLog, MetricsWriter, RolloutDump
 from laminar_core.types import SamplingParams
 
 
@@ -161,6 +161,9 @@ def assemble(spec: RunSpec, started: Started, runtime: Runtime) -> Run:
         metrics=MetricsWriter(run_dir / "metrics.jsonl" if run_dir else None),
         events=events,
         run_dir=run_dir,
+        rollouts=(
+            RolloutDump(run_dir / ROLLOUTS_FILE) if run_dir and cfg.run.dump_rollouts else None
+        ),
     )
     run = Run(
         spec.resolved,
