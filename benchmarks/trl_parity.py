@@ -3,6 +3,7 @@
     python benchmarks/trl_parity.py sampling [--model DIR] [--samples 64]
     python benchmarks/trl_parity.py loop [--model DIR] [--seed 1] [--steps 40]
         [--trainer torch|fsdp] [--sampler generate|vllm]
+    python benchmarks/trl_parity.py replay RUN_DIR [--model DIR] [--seed N] [--trainer torch|fsdp]
 
 ``sampling``: responses from one model on the same 8 prompts, drawn by vLLM (what our
 replicas run) and by transformers' ``generate`` (TRL's CPU path): mean length (with its
@@ -23,6 +24,15 @@ their lines match step for step when the engine's update is TRL's. ``--sampler v
 the samples with vLLM in this process instead of ``generate``, loading each update through
 the replicas' worker extension (``laminar_vllm.worker.WeightLoader``): TRL's loop with our
 sampler, weights reloaded every step as a replica reloads them.
+
+``replay``: a ``sync`` run's updates taken again from its ``rollouts.jsonl``
+(``run.dump_rollouts=true``; one trainer rank, so one update per batch), starting from the
+run's initial model (``--model``, the run's ``--seed``). Before each step it checks that the
+batch is the prompt pool's next groups for that seed and that every reward is the task's
+reward of its response, then prints the largest |replayed log-prob - the replica's log-prob|
+over the step's trajectories: ``sync`` trajectories were sampled by the weights the trainer
+held, so a replay whose update is the run's stays at vLLM's numerical floor (~1e-6) step
+after step, and one whose update differs drifts away.
 
 The model defaults to ``runs/small-qwen2`` (``laminar tiny-model runs/small-qwen2 --preset
 small --seed N`` builds it); the workload is ``examples/longtail.yaml``.
@@ -134,7 +144,6 @@ def sampling(a: argparse.Namespace) -> None:
 
 
 def loop(a: argparse.Namespace) -> None:
-    from transformers import AutoModelForCausalLM
 
     from laminar_core.buffers import PromptPool
     from laminar_core.loop.evaluation import build_eval_prompts
@@ -144,14 +153,7 @@ def loop(a: argparse.Namespace) -> None:
     group, per_step = cfg.data.samples_per_prompt, cfg.data.prompts_per_step
     pool = PromptPool(prompts, group, seed=a.seed, shuffle=cfg.data.shuffle)
     held = build_eval_prompts(resolved, tok, prompts)
-    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32)
-    optim = torch.optim.AdamW(
-        model.parameters(),
-        lr=fsdp.lr,
-        betas=(fsdp.beta1, fsdp.beta2),
-        eps=fsdp.eps,
-        weight_decay=fsdp.weight_decay,
-    )
+    model, optim = _model_and_optimiser(a.model, fsdp)
     engine = fsdp_engine(resolved) if a.trainer == "fsdp" else None
     llm = _vllm_sampler(a.model, resolved, a.seed) if a.sampler == "vllm" else None
     torch.manual_seed(a.seed)
@@ -173,15 +175,7 @@ def loop(a: argparse.Namespace) -> None:
             rewards.std(1, keepdim=True) + cfg.algorithm.adv_eps
         )
         if engine is None:
-            loss, tokens = torch.zeros(()), 0
-            for a_i, (p, ids) in zip(adv.view(-1), pairs, strict=True):
-                lp = _response_logprobs(model, p.ids, ids)
-                loss = loss - (torch.exp(lp - lp.detach()) * a_i).sum()  # ratio 1, its gradient
-                tokens += len(ids)
-            optim.zero_grad()
-            (loss / tokens).backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), fsdp.grad_clip)
-            optim.step()
+            torch_update(model, optim, pairs, adv.view(-1), fsdp.grad_clip)
         else:  # the same batch through Laminar's FSDP engine; its weights back into `model`
             step_on_engine(engine, step, pairs, rewards.view(-1), model, behaviour)
         if llm is not None:  # the sampler takes the new weights, as a replica does
@@ -194,6 +188,100 @@ def loop(a: argparse.Namespace) -> None:
         if step % 10 == 9:
             line += f"  eval {hf_eval_reward(model, tok, held, cfg, reward):.3f}"
         say(line)
+
+
+def _model_and_optimiser(path: str, fsdp: Any) -> tuple[Any, torch.optim.Optimizer]:
+    """The transformers model at ``path`` and AdamW at the config's ``trainer.fsdp`` settings."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    optim = torch.optim.AdamW(
+        model.parameters(),
+        lr=fsdp.lr,
+        betas=(fsdp.beta1, fsdp.beta2),
+        eps=fsdp.eps,
+        weight_decay=fsdp.weight_decay,
+    )
+    return model, optim
+
+
+def torch_update(model, optim, pairs: list, adv: torch.Tensor, grad_clip: float) -> None:
+    """TRL's on-policy GRPO update in plain torch: one token mean over the batch of
+    (prompt row, response ids) ``pairs``, ratio 1 against the sampling policy (its gradient
+    is the policy gradient), gradient clipping, one AdamW step."""
+    loss, tokens = torch.zeros(()), 0
+    for a_i, (p, ids) in zip(adv, pairs, strict=True):
+        lp = _response_logprobs(model, p.ids, ids)
+        loss = loss - (torch.exp(lp - lp.detach()) * a_i).sum()
+        tokens += len(ids)
+    optim.zero_grad()
+    (loss / tokens).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    optim.step()
+
+
+def replay(a: argparse.Namespace) -> None:
+    import json
+    from types import SimpleNamespace
+
+    from laminar_core.buffers import PromptPool
+
+    resolved, _, prompts, _, score = _setup(a.model, a.seed)
+    cfg, fsdp = resolved.cfg, resolved.engine_options["trainer"]
+    group, per_step = cfg.data.samples_per_prompt, cfg.data.prompts_per_step
+    pool = PromptPool(prompts, group, seed=a.seed, shuffle=cfg.data.shuffle)
+    path = os.path.join(a.run, "rollouts.jsonl")
+    if not os.path.exists(path):
+        sys.exit(f"no {path}: run `laminar train ... schedule=sync run.dump_rollouts=true`")
+    steps: dict[int, dict[str, list[dict]]] = {}
+    with open(path) as f:
+        for line in f:
+            r = json.loads(line)
+            steps.setdefault(r["step"], {}).setdefault(r["group_id"], []).append(r)
+    model, optim = _model_and_optimiser(a.model, fsdp)
+    engine = fsdp_engine(resolved) if a.trainer == "fsdp" else None
+    for step, groups in sorted(steps.items()):
+        rows = [pool.next_group().prompt for _ in range(per_step)]
+        by_ids = {tuple(p.ids): p for p in rows}
+        got = [tuple(g[0]["prompt_ids"]) for g in groups.values()]
+        if sorted(got) != sorted(tuple(p.ids) for p in rows) or {
+            len(g) for g in groups.values()
+        } != {group}:
+            sys.exit(f"step {step}: not the prompt pool's next {per_step} groups of {group}")
+        trajs = [t for g in groups.values() for t in g]
+        worst_reward = max(
+            abs(score(t["response_ids"], by_ids[tuple(t["prompt_ids"])].metadata) - t["reward"])
+            for t in trajs
+        )
+        with torch.no_grad():
+            drift = max(
+                (
+                    _response_logprobs(model, t["prompt_ids"], t["response_ids"])
+                    - torch.tensor(t["logprobs"])
+                )
+                .abs()
+                .max()
+                .item()
+                for t in trajs
+            )
+        rewards = torch.tensor([[t["reward"] for t in g] for g in groups.values()])
+        adv = (rewards - rewards.mean(1, keepdim=True)) / (
+            rewards.std(1, keepdim=True) + cfg.algorithm.adv_eps
+        )
+        # one prompt row per group: step_on_engine groups trajectories by their row's identity
+        heads = [SimpleNamespace(ids=g[0]["prompt_ids"]) for g in groups.values()]
+        pairs = [(h, t["response_ids"]) for h, g in zip(heads, groups.values()) for t in g]
+        if engine is None:
+            model.train()
+            torch_update(model, optim, pairs, adv.view(-1), fsdp.grad_clip)
+            model.eval()
+        else:
+            behaviour = [t["logprobs"] for t in trajs]
+            step_on_engine(engine, step, pairs, rewards.view(-1), model, behaviour)
+        say(
+            f"step {step:>3}  reward {rewards.mean():.3f}  |reward - task's| {worst_reward:.1g}"
+            f"  |replayed - replica log-prob| max {drift:.2g}"
+        )
 
 
 def _response_logprobs(model, prompt: list[int], response: list[int]) -> torch.Tensor:
@@ -305,7 +393,8 @@ def step_on_engine(
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("part", choices=["sampling", "loop"])
+    ap.add_argument("part", choices=["sampling", "loop", "replay"])
+    ap.add_argument("run", nargs="?", help="replay: the run directory")
     ap.add_argument("--model", default=str(ROOT / "runs" / "small-qwen2"))
     ap.add_argument("--seed", type=int, default=1, help="prompt order (and sampling seed)")
     ap.add_argument("--samples", type=int, default=64, help="sampling: responses per prompt")
@@ -314,7 +403,7 @@ def main() -> None:
         "--trainer",
         choices=["torch", "fsdp"],
         default="torch",
-        help="loop: the update in plain torch (TRL's algorithm), or Laminar's FSDP engine",
+        help="loop, replay: the update in plain torch (TRL's algorithm), or Laminar's FSDP engine",
     )
     ap.add_argument(
         "--sampler",
@@ -329,6 +418,10 @@ def main() -> None:
         sys.exit(f"no model at {a.model}: laminar tiny-model {a.model} --preset small")
     if a.part == "sampling":
         sampling(a)
+    elif a.part == "replay":
+        if not a.run:
+            sys.exit("replay needs the run directory: trl_parity.py replay RUN_DIR --model M")
+        replay(a)
     else:
         loop(a)
 
