@@ -130,8 +130,9 @@ def _pool_rows(resolved, tok, n_prompts: int) -> tuple[list[dict[str, Any]], lis
 def hf_eval_reward(model, tok, held: list, cfg: Any, reward: Any) -> float:
     """The TRL arm's eval round: ``data.eval_temperature`` (0: greedy) on the held-out
     prompts ``held`` with transformers' ``generate``, the mean of ``reward(text, row)``.
-    Sampled rounds draw from one fixed seed (ours seed request i with i) and leave the
-    caller's random state and the model's train/eval mode as they were."""
+    Sampled rounds draw from one seed per run, ``run.seed``, the same in every round (ours
+    seed request i with ``(run.seed << 20) + i``), and leave the caller's random state and
+    the model's train/eval mode as they were."""
     import torch
 
     was_training = model.training
@@ -140,7 +141,7 @@ def hf_eval_reward(model, tok, held: list, cfg: Any, reward: Any) -> float:
     sample = d.eval_temperature > 0
     scores = []
     with torch.no_grad(), torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
+        torch.manual_seed(cfg.run.seed)
         for i in range(0, len(held), 32):
             chunk = held[i : i + 32]
             width = max(len(p.ids) for p in chunk)

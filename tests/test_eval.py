@@ -183,6 +183,12 @@ def test_sampled_rounds_seed_each_request_the_same_every_round():
     sampled = Evaluation(None, prompts, SamplingParams(temperature=1.0, max_tokens=8), 1)
     assert [r.sampling.seed for r in sampled._requests(3)] == [0, 1, 2]
     assert [r.sampling.seed for r in sampled._requests(4)] == [0, 1, 2]
+    # another run seed draws differently, the same in each of its rounds
+    other = Evaluation(None, prompts, SamplingParams(temperature=1.0, max_tokens=8), 1, 3)
+    assert [r.sampling.seed for r in other._requests(3)] == [3 << 20, (3 << 20) + 1, (3 << 20) + 2]
+    assert [r.sampling.seed for r in other._requests(5)] == [
+        r.sampling.seed for r in other._requests(3)
+    ]
     greedy = Evaluation(None, prompts, SamplingParams(temperature=0.0, max_tokens=8), 1)
     assert {r.sampling.seed for r in greedy._requests(3)} == {None}
     assert [r.traj_id for r in greedy._requests(3)] == ["eval3-0", "eval3-1", "eval3-2"]

@@ -35,10 +35,12 @@ biased set, e.g. the prompts training happened not to draw from a small prompt s
 too few are left, that is a ``ConfigError`` naming the fix.
 
 Greedy (``data.eval_temperature: 0``, the default) scores the policy's most likely answer;
-sampled eval (``> 0``; request ``i`` is seeded with ``i`` in every round, so two rounds differ
-by their weights, not their draws) scores the policy as it is trained, which is what a
-task with a learned stopping point needs: a model that stops at the right place with
-probability 0.3 at each step there, and continues otherwise, never stops greedily.
+sampled eval (``> 0``; request ``i`` is seeded with ``(run.seed << 20) + i`` in every round,
+so two rounds of a run differ by their weights, not their draws, while runs of different
+seeds draw differently and a mean over seeds does not carry one draw's luck) scores the
+policy as it is trained, which is what a task with a learned stopping point needs: a model
+that stops at the right place with probability 0.3 at each step there, and continues
+otherwise, never stops greedily.
 
 Simulated engines produce no text and the simulator has no reward: there the round runs
 (its requests take simulated time and go through the version pulls like real ones) and
@@ -105,6 +107,7 @@ class Evaluation:
 
     ``every``: a round after every ``every`` steps and after the last one (``-1``: only
     after the last). ``prompts``: the held-out set, one request each per round.
+    ``draw_seed``: which draws a sampled round makes (the run's seed).
     """
 
     def __init__(
@@ -113,6 +116,7 @@ class Evaluation:
         prompts: Sequence[Prompt],
         sampling: SamplingParams,
         every: int,
+        draw_seed: int = 0,
     ) -> None:
         if not prompts:
             raise ValueError("an eval round needs at least one prompt")
@@ -120,6 +124,7 @@ class Evaluation:
         self.prompts = list(prompts)
         self.sampling = sampling
         self.every = every
+        self.draw_seed = draw_seed
         self.results: list[EvalResult] = []
         self._noted = False
 
@@ -130,16 +135,18 @@ class Evaluation:
     def _requests(self, version: int) -> list[GenerationRequest]:
         group = f"eval{version}"
         s = self.sampling
-        # sampled eval: request i is seeded with i in every round, so rounds differ by their
-        # weights, not by their draws (common random numbers)
+        # sampled eval: request i gets the same seed in every round, so rounds differ by their
+        # weights, not by their draws (common random numbers); the run's seed picks the draws,
+        # so seeds of a study do not all share one draw's bias
         seeded = s.temperature > 0 and s.seed is None
+        base = (self.draw_seed & 0xFFFFFFFF) << 20  # non-negative, as engines want seeds
         return [
             GenerationRequest(
                 traj_id=f"{group}-{i}",
                 group_id=group,
                 prompt_ids=list(p.ids),
                 num_prompt_tokens=p.num_tokens or len(p.ids),
-                sampling=dataclasses.replace(s, seed=i) if seeded else s,
+                sampling=dataclasses.replace(s, seed=base + i) if seeded else s,
                 # negative sample keys: disjoint from training samples' (a simulated
                 # replica draws a sample's length from its key)
                 metadata={**p.metadata, "sample_key": -(i + 1), "eval": True},
@@ -376,6 +383,6 @@ def attach_evaluation(run: Run, tokenizer: Tokenizer | None = None) -> Evaluatio
         top_p=1.0 if greedy else cfg.rollout.top_p,
         max_tokens=d.eval_max_tokens or cfg.rollout.max_tokens,
     )
-    evaluation = Evaluation(run.manager, prompts, sampling, cfg.run.eval_every)
+    evaluation = Evaluation(run.manager, prompts, sampling, cfg.run.eval_every, cfg.run.seed)
     run.controller.evaluation = evaluation
     return evaluation
