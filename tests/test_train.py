@@ -129,9 +129,7 @@ def test_dump_rollouts_writes_every_trained_trajectory_once(tmp_path: Path) -> N
         assert len(mine) == m["trajectories"]
         assert {r["weight_version"] for r in mine} == {m["weight_version"]}
         rewards = [r["reward"] for r in mine if r["reward"] is not None]
-        assert (sum(rewards) / len(rewards) if rewards else None) == pytest.approx(
-            m["reward_mean"]
-        )
+        assert (sum(rewards) / len(rewards) if rewards else None) == pytest.approx(m["reward_mean"])
         groups: dict[str, list[dict]] = {}
         for r in mine:
             groups.setdefault(r["group_id"], []).append(r)

@@ -375,6 +375,9 @@ class _Kit:
                     "model off the loop (asyncio.to_thread, or a worker process)"
                 )
             seen: PartialTrajectory | None = None
+            # poll soon, then back off to poll_s: a small model decodes a long request in
+            # tens of milliseconds, and one fixed interval would let it finish unseen
+            wait = 0.001
             while not task.done():
                 parts = await self.call("partials", a.partials([tid]))
                 if parts:
@@ -385,7 +388,8 @@ class _Kit:
                     seen = parts[0]
                     if seen.num_response_tokens >= 2:
                         break
-                await asyncio.sleep(self.poll_s)
+                await asyncio.sleep(wait)
+                wait = min(2 * wait, self.poll_s)
             if task.done():
                 t = task.result()
                 finished.append(f"{t.finish_reason.value} after {t.num_response_tokens} tokens")
