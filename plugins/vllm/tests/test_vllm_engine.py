@@ -47,6 +47,21 @@ def _req(tid: str, max_tokens: int = 200) -> GenerationRequest:
     )
 
 
+async def _running(eng, name: str) -> tuple[asyncio.Future, str]:
+    """A 200-token request seen in flight (``partials`` shows its tokens), its generate not
+    done: a tiny model can sample EOS within milliseconds, so a request that ends before it
+    is seen is replaced by another, up to 5 times."""
+    for attempt in range(5):
+        tid = f"{name}{attempt}"
+        task = asyncio.ensure_future(eng.generate(_req(tid, 200)))
+        while not task.done() and not await eng.partials([tid]):
+            await asyncio.sleep(0.005)
+        if not task.done():  # nothing awaits from here to the caller's check: still running
+            return task, tid
+        await task
+    raise AssertionError("5 requests of up to 200 tokens each ended before they were seen")
+
+
 def _hf_logprobs(model, prompt: list[int], response: list[int]) -> torch.Tensor:
     ids = torch.tensor([prompt + response])
     with torch.no_grad():
@@ -169,11 +184,10 @@ def test_engine_lifecycle(model_dir, tmp_path):
             assert (await eng.stats()).version == 2
 
             # no update while a trajectory is in flight (it would mix versions)
-            task = asyncio.ensure_future(eng.generate(_req("d", 200)))
-            await asyncio.sleep(0.05)
+            task, tid = await _running(eng, "d")
             with pytest.raises(RuntimeError, match="in flight"):
                 await eng.update_weights(TensorWeights(3, []))
-            await eng.abort(["d"])
+            await eng.abort([tid])
             await task
 
             # a caller that goes away (its generate cancelled) stops the vLLM request too
