@@ -18,12 +18,13 @@ third reading beside the ``trl`` and ``sync`` arms (our trainer's update equals 
 ``plugins/fsdp/tests/test_fsdp_reference_update.py``). ``--trainer fsdp`` takes each update
 with Laminar's FSDP engine instead (one gloo rank in this process, behaviour log-probs from
 the sampler: the model's own, or vLLM's as a replica reports them; the engine's exported
-weights loaded back for the next step): with the
-same ``--seed`` the two runs draw the same samples for as long as their weights agree, so
-their lines match step for step when the engine's update is TRL's. ``--sampler vllm`` draws
-the samples with vLLM in this process instead of ``generate``, loading each update through
-the replicas' worker extension (``laminar_vllm.worker.WeightLoader``): TRL's loop with our
-sampler, weights reloaded every step as a replica reloads them.
+weights loaded back for the next step): with the same ``--seed`` the two runs draw the same
+samples for as long as their weights agree. Float differences between the two updates grow
+over the steps (Adam amplifies them), so the lines match for some steps and then part;
+``replay`` compares the updates exactly. ``--sampler vllm`` draws the samples with vLLM in
+this process instead of ``generate``, loading each update through the replicas' worker
+extension (``laminar_vllm.worker.WeightLoader``): TRL's loop with our sampler, weights
+reloaded every step as a replica reloads them.
 
 ``replay``: a ``sync`` run's updates taken again from its ``rollouts.jsonl``
 (``run.dump_rollouts=true``; one trainer rank, so one update per batch), starting from the
@@ -171,13 +172,11 @@ def loop(a: argparse.Namespace) -> None:
         model.train()
         pairs = [(p, out[i * group + j]) for i, p in enumerate(rows) for j in range(group)]
         rewards = torch.tensor([score(ids, p.metadata) for p, ids in pairs]).view(per_step, -1)
-        adv = (rewards - rewards.mean(1, keepdim=True)) / (
-            rewards.std(1, keepdim=True) + cfg.algorithm.adv_eps
-        )
         if engine is None:
-            torch_update(model, optim, pairs, adv.view(-1), fsdp.grad_clip)
+            adv = group_advantages(rewards, cfg.algorithm.adv_eps)
+            torch_update(model, optim, pairs, adv, fsdp.grad_clip)
         else:  # the same batch through Laminar's FSDP engine; its weights back into `model`
-            step_on_engine(engine, step, pairs, rewards.view(-1), model, behaviour)
+            step_on_engine(engine, step, pairs, rewards, model, behaviour)
         if llm is not None:  # the sampler takes the new weights, as a replica does
             _vllm_load(llm, model)
         mean_len = statistics.fmean(len(ids) for _, ids in pairs)
@@ -203,6 +202,13 @@ def _model_and_optimiser(path: str, fsdp: Any) -> tuple[Any, torch.optim.Optimiz
         weight_decay=fsdp.weight_decay,
     )
     return model, optim
+
+
+def group_advantages(rewards: torch.Tensor, eps: float) -> torch.Tensor:
+    """TRL's ``scale_rewards="group"``: ``rewards`` ``[groups, samples]`` centred and divided
+    by each group's (unbiased) std plus ``eps``, flattened in the same order."""
+    std = rewards.std(1, keepdim=True)
+    return ((rewards - rewards.mean(1, keepdim=True)) / (std + eps)).view(-1)
 
 
 def torch_update(model, optim, pairs: list, adv: torch.Tensor, grad_clip: float) -> None:
@@ -265,19 +271,15 @@ def replay(a: argparse.Namespace) -> None:
                 for t in trajs
             )
         rewards = torch.tensor([[t["reward"] for t in g] for g in groups.values()])
-        adv = (rewards - rewards.mean(1, keepdim=True)) / (
-            rewards.std(1, keepdim=True) + cfg.algorithm.adv_eps
-        )
-        # one prompt row per group: step_on_engine groups trajectories by their row's identity
-        heads = [SimpleNamespace(ids=g[0]["prompt_ids"]) for g in groups.values()]
-        pairs = [(h, t["response_ids"]) for h, g in zip(heads, groups.values()) for t in g]
+        pairs = [(SimpleNamespace(ids=t["prompt_ids"]), t["response_ids"]) for t in trajs]
         if engine is None:
             model.train()
-            torch_update(model, optim, pairs, adv.view(-1), fsdp.grad_clip)
+            adv = group_advantages(rewards, cfg.algorithm.adv_eps)
+            torch_update(model, optim, pairs, adv, fsdp.grad_clip)
             model.eval()
         else:
             behaviour = [t["logprobs"] for t in trajs]
-            step_on_engine(engine, step, pairs, rewards.view(-1), model, behaviour)
+            step_on_engine(engine, step, pairs, rewards, model, behaviour)
         say(
             f"step {step:>3}  reward {rewards.mean():.3f}  |reward - task's| {worst_reward:.1g}"
             f"  |replayed - replica log-prob| max {drift:.2g}"
@@ -358,16 +360,18 @@ def step_on_engine(
     model,
     behaviour: list[list[float]] | None,
 ) -> None:
-    """One optimiser step of ``engine`` on ``pairs`` (prompt row, response ids) with
-    ``rewards`` and ``behaviour`` log-probs (``None``: ``model``'s, the weights that sampled
-    them); then ``model`` takes the engine's new weights."""
+    """One optimiser step of ``engine`` on ``pairs`` (prompt row, response ids), group after
+    group, with ``rewards`` ``[groups, samples]`` and ``behaviour`` log-probs (``None``:
+    ``model``'s, the weights that sampled them); then ``model`` takes the engine's new
+    weights."""
     from laminar_core.types import FinishReason, Group, TrainBatch, Trajectory
 
-    groups: dict[int, Group] = {}
+    size = rewards.shape[1]
+    groups = [Group(f"g{step}-{i}", i, []) for i in range(rewards.shape[0])]
     with torch.no_grad():
-        for k, ((p, ids), r) in enumerate(zip(pairs, rewards.tolist(), strict=True)):
+        for k, ((p, ids), r) in enumerate(zip(pairs, rewards.view(-1).tolist(), strict=True)):
             lp = behaviour[k] if behaviour else _response_logprobs(model, p.ids, ids).tolist()
-            g = groups.setdefault(id(p), Group(f"g{step}-{len(groups)}", len(groups), []))
+            g = groups[k // size]
             g.trajectories.append(
                 Trajectory(
                     traj_id=f"t{step}-{k}",
@@ -382,7 +386,7 @@ def step_on_engine(
                     reward=float(r),
                 )
             )
-    _LOOP.run_until_complete(engine.train_step(TrainBatch(step, list(groups.values()), step)))
+    _LOOP.run_until_complete(engine.train_step(TrainBatch(step, groups, step)))
 
     async def weights() -> dict[str, torch.Tensor]:
         return {name: t async for name, t in engine.export_weights()}
