@@ -222,7 +222,8 @@ def _train(args: argparse.Namespace) -> int:
 
     overrides = [*args.overrides, *(["telemetry.engine_logs=terminal"] if args.verbose else [])]
     resolved = load_config(args.config, overrides)
-    run_dir = train(resolved)  # prints the run directory first, so a crash still names it
+    # prints the run directory first, so a crash still names it
+    run_dir = train(resolved, own_process=True)
     print(f"done: {run_dir}")
     return 0
 

@@ -79,16 +79,25 @@ def first_run(ray_cluster, tmp_path_factory):
     out = tmp_path_factory.mktemp("runs")
     resolved = _config(model, out, "run.steps=3", "run.dump_rollouts=true")
 
+    def gc_state(actor) -> tuple[str, bool, int]:
+        """(the actor's class, cyclic GC on, objects frozen), run inside the actor (a local
+        function: Ray ships it by value, the actors cannot import this test module)."""
+        import gc
+
+        return type(actor).__name__, gc.isenabled(), gc.get_freeze_count()
+
     async def go():
         run_dir = make_run_dir(resolved)
         run = await start_run(resolved, run_dir)
+        # (vLLM's shutdown at the run's end unfreezes its heap again: look before that)
+        gc_states = [ray.get(a.__ray_call__.remote(gc_state)) for a in run.runtime.actors]
         run.controller.keep_batches = True
         await run.controller.run(3)
         _kill_actors(run)
-        return run, run_dir
+        return run, run_dir, gc_states
 
-    run, run_dir = asyncio.run(go())
-    return model, out, run, run_dir
+    run, run_dir, gc_states = asyncio.run(go())
+    return model, out, run, run_dir, gc_states
 
 
 def _rows(run_dir: Path) -> list[dict]:
@@ -98,7 +107,7 @@ def _rows(run_dir: Path) -> list[dict]:
 
 
 def test_versions_advance_and_results_are_written(first_run):
-    *_, run_dir = first_run
+    *_, run_dir, _ = first_run
     rows = _rows(run_dir)
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert [r["weight_version"] for r in rows] == [1, 2, 3]
@@ -108,8 +117,24 @@ def test_versions_advance_and_results_are_written(first_run):
     assert (run_dir / "checkpoints" / "latest").read_text() == "step_000003"
 
 
+def test_every_actor_collects_garbage_again_after_its_start_up(first_run):
+    """Start-up runs with the cyclic GC held (``runtime.startup_gc``): once a trainer rank,
+    replica or relay is up, its start-up heap is frozen and collection is back on."""
+    *_, gc_states = first_run
+    assert sorted(kind for kind, *_ in gc_states) == [
+        "RelayActor",
+        "RolloutHost",
+        "RolloutHost",
+        "TrainerHost",
+        "TrainerHost",
+    ], gc_states
+    for kind, enabled, frozen in gc_states:
+        assert enabled, f"{kind}: the cyclic GC is still off after start-up"
+        assert frozen > 100_000, f"{kind}: start-up heap not frozen ({frozen} objects)"
+
+
 def test_each_replica_pulls_while_the_other_generates(first_run):
-    _, _, run, _ = first_run
+    _, _, run, *_ = first_run
     pulls = [e for e in run.events.events if e[1] == "weight_pull"]
     by_replica: dict[str, list] = {}
     for _t, _kind, actor, _d, fields in pulls:
@@ -125,7 +150,7 @@ def test_each_replica_pulls_while_the_other_generates(first_run):
 def test_replicas_load_weights_from_the_relay_actors_shared_memory(first_run):
     from laminar_core.relay.remote import RemoteRelay
 
-    _, _, run, _ = first_run
+    _, _, run, *_ = first_run
     hosts = run.runtime.relays
     assert len(hosts) == len(run.relays) == 1  # one node: one relay actor, one proxy
     view = run.relays[0]
@@ -146,7 +171,7 @@ def test_replicas_load_weights_from_the_relay_actors_shared_memory(first_run):
 
 
 def test_no_trajectory_lost_or_duplicated(first_run):
-    _, _, run, _ = first_run
+    _, _, run, *_ = first_run
     trajs = [t for b in run.controller.batches for t in b.trajectories]
     ids = [t.traj_id for t in trajs]
     assert len(ids) == len(set(ids)) == 3 * 4 * 4
@@ -159,7 +184,7 @@ def test_no_trajectory_lost_or_duplicated(first_run):
 def test_dump_rollouts_holds_what_the_trainer_trained_on(first_run):
     import json
 
-    _, _, run, run_dir = first_run
+    _, _, run, run_dir, _ = first_run
     rows = [json.loads(x) for x in (run_dir / "rollouts.jsonl").read_text().splitlines()]
     trained = [(b.step, t) for b in run.controller.batches for t in b.trajectories]
     assert [r["traj_id"] for r in rows] == [t.traj_id for _, t in trained]
@@ -170,7 +195,7 @@ def test_dump_rollouts_holds_what_the_trainer_trained_on(first_run):
 
 
 def test_vllm_logprobs_agree_with_the_trainer(first_run):
-    _, _, _, run_dir = first_run
+    _, _, _, run_dir, _ = first_run
     rows = [r for r in _rows(run_dir) if r.get("logprob_diff_tokens")]
     assert rows, "no trajectory of the trainer's current version reached a step"
     worst = max(r["logprob_abs_diff_max"] for r in rows)
@@ -216,7 +241,7 @@ def resumed_run(first_run):
     repack uses ``MoveOnce``. (With the first run's window of 2, replicas stay full and
     pull while the other generates.)
     """
-    model, out, _, first_dir = first_run
+    model, out, _, first_dir, _ = first_run
     ckpt = first_dir / "checkpoints" / "step_000002"
     resolved = _config(
         model, out, "run.steps=5", f"run.resume={ckpt}", "buffer.max_ahead_batches=1"

@@ -18,6 +18,7 @@ from laminar_core.interfaces import BuildContext, TensorWeights, TrainerContext,
 from laminar_core.plugins import default_manager
 from laminar_core.plugins.resolve import resolve
 from laminar_core.runtime.ray_calls import detach_resource_tracker, limit_threads, log_to
+from laminar_core.runtime.startup_gc import hold_gc, release_gc
 
 
 def _engine(config_yaml: str, kind: str, index: int, name: str, gpus: int) -> Any:
@@ -34,16 +35,24 @@ def _engine(config_yaml: str, kind: str, index: int, name: str, gpus: int) -> An
 
 
 class RolloutHost:
-    """A rollout replica's actor: ``call(method, *args)`` forwards to the engine."""
+    """A rollout replica's actor: ``call(method, *args)`` forwards to the engine; ``start``
+    starts it (the end of this process's start-up)."""
 
     def __init__(
         self, config_yaml: str, index: int, name: str, gpus: int, log_path: str | None = None
     ) -> None:
+        self._gc_was_on = hold_gc()  # until the engine has started (``startup_gc``)
         log_to(log_path)
         limit_threads()
         # before the engine starts processes: what they leave must outlive this actor
         detach_resource_tracker()
         self.engine, _ = _engine(config_yaml, "rollout", index, name, gpus)
+
+    async def start(self) -> None:
+        try:
+            await self.engine.start()
+        finally:
+            release_gc(self._gc_was_on)
 
     async def call(self, method: str, *args: Any) -> Any:
         return await getattr(self.engine, method)(*args)
@@ -77,6 +86,7 @@ class TrainerHost:
     def __init__(
         self, config_yaml: str, rank: int, world: int, gpus: int, log_path: str | None = None
     ) -> None:
+        self._gc_was_on = hold_gc()  # until ``setup`` is done (``startup_gc``)
         log_to(log_path)
         limit_threads()
         self.rank, self.world = rank, world
@@ -113,7 +123,10 @@ class TrainerHost:
             self.cfg.algorithm,
             {"init_method": init_method, **options},
         )
-        await self.engine.setup(ctx)
+        try:
+            await self.engine.setup(ctx)
+        finally:
+            release_gc(self._gc_was_on)
 
     async def call(self, method: str, *args: Any) -> Any:
         return await getattr(self.engine, method)(*args)

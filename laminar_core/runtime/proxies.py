@@ -66,7 +66,7 @@ class RayRolloutEngine(RolloutEngine):
         await asyncio.shield(self._starting)
 
     async def _start(self) -> None:
-        await self._call("start")
+        await self._remote(self.handle.start.remote())
         self.shm_files = await self._remote(self.handle.shm_files.remote())
 
     async def generate(self, request: GenerationRequest) -> Trajectory:

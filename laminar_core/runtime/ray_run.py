@@ -98,7 +98,16 @@ def init_ray(resolved: ResolvedConfig, needed_cpus: float) -> bool:
     try:
         # address="local": a cluster of its own, even if another one on this machine left
         # its address in /tmp/ray (ray.init() would try to join that one)
-        ray.init(address="local", num_cpus=cpus, include_dashboard=False, **kwargs)
+        ray.init(
+            address="local",
+            num_cpus=cpus,
+            include_dashboard=False,
+            # Ray starts idle workers for tasks when a driver connects; a run starts only
+            # actors, each in a worker of its own, so those idle workers would just take
+            # CPU from start-up (~0.7 s of it on the 2-core machine) and be killed
+            _system_config={"prestart_worker_first_driver": False},
+            **kwargs,
+        )
     finally:
         notice.setLevel(level)
     return True

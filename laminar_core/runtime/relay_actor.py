@@ -30,6 +30,7 @@ from laminar_core.runtime.ray_calls import (
     limit_threads,
     log_to,
 )
+from laminar_core.runtime.startup_gc import startup_gc
 
 log = logging.getLogger(__name__)
 
@@ -57,14 +58,15 @@ class RelayActor:
     ) -> None:
         import yaml
 
-        log_to(log_path)
-        limit_threads()
-        resolved = resolve(yaml.safe_load(config_yaml), source="driver")
-        cfg = resolved.cfg
-        factory = default_manager().get("transport", cfg.relay.transport)
-        ctx = BuildContext(cfg, resolved.engine_options.get("relay"), rank, f"relay{relay_id}")
-        transport = build(factory, ctx)
-        self.server = RelayServer(relay_id, node, rank, transport, shm_root, die_at)
+        with startup_gc():
+            log_to(log_path)
+            limit_threads()
+            resolved = resolve(yaml.safe_load(config_yaml), source="driver")
+            cfg = resolved.cfg
+            factory = default_manager().get("transport", cfg.relay.transport)
+            ctx = BuildContext(cfg, resolved.engine_options.get("relay"), rank, f"relay{relay_id}")
+            transport = build(factory, ctx)
+            self.server = RelayServer(relay_id, node, rank, transport, shm_root, die_at)
         self._closed: asyncio.Event | None = None
 
     def _event(self) -> asyncio.Event:

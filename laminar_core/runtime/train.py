@@ -30,6 +30,7 @@ from laminar_core.loop.evaluation import attach_evaluation
 from laminar_core.models import model_dir
 from laminar_core.runtime.local import LocalRuntime
 from laminar_core.runtime.run import Run, Runtime
+from laminar_core.runtime.startup_gc import hold_gc, release_gc
 from laminar_core.runtime.wiring import RunSpec
 from laminar_core.telemetry import TENSORBOARD_DIR, TensorBoardSink
 from laminar_core.telemetry.wandb import WandbSink, wandb_enabled
@@ -100,9 +101,12 @@ async def close_run(run: Run) -> None:
     await run.close()
 
 
-def train(resolved: ResolvedConfig) -> Path:
+def train(resolved: ResolvedConfig, *, own_process: bool = False) -> Path:
     """Run ``run.steps`` trainer steps; returns the run directory.
 
+    ``own_process``: this process exists for this run (``laminar train``), so its start-up
+    runs with the cyclic GC held and freezes the heap it built (``runtime.startup_gc``);
+    not done by default, since freezing a caller's heap would keep its garbage for good.
     Raises ``TrainError`` with the cause when the run cannot start or breaks.
     """
     check_model_path(resolved)
@@ -117,11 +121,14 @@ def train(resolved: ResolvedConfig) -> Path:
         # (what was started is released) instead of killing the process under it
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
+        gc_was_on = hold_gc() if own_process else None
         try:
             run = await start_run(resolved, run_dir)
         except (FileNotFoundError, ImportError, RuntimeError, ValueError) as e:
             raise TrainError(f"the run could not start: {type(e).__name__}: {e}") from e
         finally:
+            if gc_was_on is not None:
+                release_gc(gc_was_on)
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.remove_signal_handler(signal.SIGTERM)
         report = run.data_report
