@@ -41,7 +41,10 @@ Per arm (and seed), from ``metrics.jsonl`` rows (the TRL arm writes the same row
   (numerics plus staleness); TRL generates and trains with one transformers model: no gap
   by construction;
 - the step profile: median seconds per step of where the time goes (ours: waiting for data,
-  training + weight push, of which the push stall; TRL: generating, training).
+  training + weight push, of which the push stall; TRL: generating, training);
+- ``cores busy``: the CPU seconds the arm's processes (driver, Ray, actors, engines) used
+  after the warm-up steps, over the wall seconds that took (eval rounds included): on a
+  machine whose cores are all busy, no schedule can give more samples/s.
 
 With several ``--seeds`` an arm's figures are the mean over seeds (``final eval`` with its
 min-max), ``s to target`` the median over the seeds that reached it (``k/n`` reached). Goals
@@ -364,6 +367,29 @@ def _cmd(arm: str, seed: int, model_dir: Path, work: Path, a: argparse.Namespace
     return cmd, env, name
 
 
+def _processes() -> list[tuple[int, str, int, float]]:
+    """(pid, name, session id, CPU seconds so far) of every process, from ``/proc``."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            raw = Path(f"/proc/{d}/stat").read_text()
+        except OSError:
+            continue
+        name, rest = raw[raw.index("(") + 1 : raw.rindex(")")], raw[raw.rindex(")") + 2 :]
+        f = rest.split()
+        out.append((int(d), name, int(f[3]), (int(f[11]) + int(f[12])) / tick))  # utime+stime
+    return out
+
+
+def _session_cpu(sid: int) -> float:
+    """CPU seconds used so far by the processes of session ``sid`` (an arm: its driver, Ray,
+    actors, engines) that are still running."""
+    return sum(cpu for _pid, _name, s, cpu in _processes() if s == sid)
+
+
 class _Others:
     """CPU seconds used, while an arm runs, by processes outside it and outside this script.
 
@@ -383,20 +409,9 @@ class _Others:
         if time.monotonic() < self.next_at:
             return
         self.next_at = time.monotonic() + 2.0
-        tick = os.sysconf("SC_CLK_TCK")
-        for d in os.listdir("/proc"):
-            if not d.isdigit():
+        for pid, name, sid, cpu in _processes():
+            if sid in (arm_sid, self.mine):
                 continue
-            try:
-                raw = Path(f"/proc/{d}/stat").read_text()
-            except OSError:
-                continue
-            name, rest = raw[raw.index("(") + 1 : raw.rindex(")")], raw[raw.rindex(")") + 2 :]
-            f = rest.split()
-            if int(f[3]) in (arm_sid, self.mine):  # f[3]: session id
-                continue
-            cpu = (int(f[11]) + int(f[12])) / tick  # utime + stime
-            pid = int(d)
             # a process first seen after the first sample started during the arm: from 0
             self.first.setdefault(pid, 0.0 if self.sampled else cpu)
             self.last[pid] = (name, cpu)
@@ -444,6 +459,7 @@ def run_arm(arm: str, seed: int, model_dir: Path, work: Path, a: argparse.Namesp
     reader = threading.Thread(target=pump, daemon=True)
     reader.start()
     rows: list[dict] = []
+    cpu_at = [0.0, 0.0]  # [seconds since start, the arm's CPU seconds then], at row arrivals
     capped = False
     buf = ""
     fh = None
@@ -456,9 +472,11 @@ def run_arm(arm: str, seed: int, model_dir: Path, work: Path, a: argparse.Namesp
             buf += fh.read()
             *lines, buf = buf.split("\n")
             now = time.monotonic() - t0
+            if any(x.strip() for x in lines) and not done:  # (an ended arm's CPU is gone)
+                cpu_at = [now, _session_cpu(proc.pid)]
             for line in lines:
                 if line.strip():
-                    r = {**json.loads(line), "arrival_seconds": now}
+                    r = {**json.loads(line), "arrival_seconds": now, "arm_cpu_at": cpu_at}
                     rows.append(r)
                     ev = r.get("eval_reward")
                     say(
@@ -571,6 +589,11 @@ def summarise(res: dict, target: float) -> dict:
             profile["training_and_push"] = _median([p - w for p, w in zip(periods, waits)])
             profile["of_which_push_stall"] = _median(stalls)
         out["step_profile_seconds"] = profile
+        # how much of the machine the arm kept busy over the same steps (eval rounds
+        # included): a machine whose cores are full cannot give an arm more samples/s
+        (t1, cpu1), (t2, cpu2) = rows[WARMUP - 1]["arm_cpu_at"], timed[-1]["arm_cpu_at"]
+        if cpu2 > cpu1 and t2 > t1:
+            out["cores_busy"] = round((cpu2 - cpu1) / (t2 - t1), 2)
     out["reward_mean_last5"] = round(
         statistics.fmean(r["reward_mean"] for r in rows[-5:] if r["reward_mean"] is not None), 4
     )
@@ -625,6 +648,7 @@ def aggregate(arm: str, runs: list[dict]) -> dict:
         "final_eval_reward": round(statistics.fmean(finals), 4) if finals else None,
         "final_eval_reward_range": [min(finals), max(finals)] if finals else None,
         "trainer_idle_share": mean("trainer_idle_share"),
+        "cores_busy": mean("cores_busy"),
         "repack_moves": mean("repack_moves"),
         "repack_moved_trajectories": mean("repack_moved_trajectories"),
         "logprob_gap_mean": mean("logprob_gap_mean"),
@@ -668,6 +692,7 @@ def report(arms: dict[str, dict], target: float) -> tuple[dict, dict]:
                         else ""
                     ),
                     _fmt(s["trainer_idle_share"], ".2f"),
+                    _fmt(s["cores_busy"], ".2f"),
                     _fmt(s["repack_moves"], ".0f", "n/a")
                     + (
                         f" / {s['repack_moved_trajectories']:.0f}"
@@ -690,6 +715,7 @@ def report(arms: dict[str, dict], target: float) -> tuple[dict, dict]:
                 "reached",
                 "final eval",
                 "trainer idle",
+                "cores busy",
                 "repack moves / moved",
                 "log-prob gap / approx KL",
             ],
