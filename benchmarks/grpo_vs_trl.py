@@ -44,7 +44,7 @@ Per arm (and seed), from ``metrics.jsonl`` rows (the TRL arm writes the same row
   training + weight push, of which the push stall; TRL: generating, training);
 - ``cores busy``: the CPU seconds the arm's processes (driver, Ray, actors, engines) used
   after the warm-up steps, over the wall seconds that took (eval rounds included): on a
-  machine whose cores are all busy, no schedule can give more samples/s.
+  machine whose cores are all busy, a schedule gains samples/s only by doing less work.
 
 With several ``--seeds`` an arm's figures are the mean over seeds (``final eval`` with its
 min-max), ``s to target`` the median over the seeds that reached it (``k/n`` reached). Goals
@@ -590,7 +590,7 @@ def summarise(res: dict, target: float) -> dict:
             profile["of_which_push_stall"] = _median(stalls)
         out["step_profile_seconds"] = profile
         # how much of the machine the arm kept busy over the same steps (eval rounds
-        # included): a machine whose cores are full cannot give an arm more samples/s
+        # included): on a machine whose cores are full, a schedule gains only by doing less work
         (t1, cpu1), (t2, cpu2) = rows[WARMUP - 1]["arm_cpu_at"], timed[-1]["arm_cpu_at"]
         if cpu2 > cpu1 and t2 > t1:
             out["cores_busy"] = round((cpu2 - cpu1) / (t2 - t1), 2)
