@@ -384,23 +384,20 @@ def _processes() -> list[tuple[int, str, int, float]]:
     return out
 
 
-def _session_cpu(sid: int) -> float:
-    """CPU seconds used so far by the processes of session ``sid`` (an arm: its driver, Ray,
-    actors, engines) that are still running."""
-    return sum(cpu for _pid, _name, s, cpu in _processes() if s == sid)
+class _Cpu:
+    """CPU seconds, sampled from ``/proc`` every 2 s while an arm runs.
 
-
-class _Others:
-    """CPU seconds used, while an arm runs, by processes outside it and outside this script.
-
-    The arm runs in its own session (``start_new_session``), so its Ray daemons, actors and
-    vLLM workers share the session id of its first process; anything else that burns CPU
-    (another job on the machine) skews the figures and is reported.
+    ``arm``: (monotonic time, CPU seconds so far) of the arm itself, the processes of its
+    session (it runs in its own, ``start_new_session``: its driver, Ray daemons, actors and
+    vLLM workers), from the last sample that found any of them alive. ``total``/``top``:
+    processes outside the arm and outside this script (another job on the machine), which
+    skew the figures and are reported.
     """
 
     def __init__(self) -> None:
         self.first: dict[int, float] = {}
         self.last: dict[int, tuple[str, float]] = {}
+        self.arm = (0.0, 0.0)
         self.next_at = 0.0
         self.sampled = False
         self.mine = os.getsid(0)
@@ -409,12 +406,18 @@ class _Others:
         if time.monotonic() < self.next_at:
             return
         self.next_at = time.monotonic() + 2.0
+        arm, alive = 0.0, False
         for pid, name, sid, cpu in _processes():
-            if sid in (arm_sid, self.mine):
+            if sid == arm_sid:
+                arm, alive = arm + cpu, True
+                continue
+            if sid == self.mine:
                 continue
             # a process first seen after the first sample started during the arm: from 0
             self.first.setdefault(pid, 0.0 if self.sampled else cpu)
             self.last[pid] = (name, cpu)
+        if alive:  # an arm that has ended has no CPU left to read
+            self.arm = (time.monotonic(), arm)
         self.sampled = True
 
     def _used(self) -> dict[str, float]:
@@ -434,7 +437,7 @@ class _Others:
 def run_arm(arm: str, seed: int, model_dir: Path, work: Path, a: argparse.Namespace) -> dict:
     """Run one arm to completion (or to ``--arm-cap``); rows with their arrival times."""
     cmd, env, name = _cmd(arm, seed, model_dir, work, a)
-    others = _Others()
+    cpu = _Cpu()
     log_path = work / f"{name}.log"
     run_dir: list[Path] = []
     t0 = time.monotonic()
@@ -459,24 +462,21 @@ def run_arm(arm: str, seed: int, model_dir: Path, work: Path, a: argparse.Namesp
     reader = threading.Thread(target=pump, daemon=True)
     reader.start()
     rows: list[dict] = []
-    cpu_at = [0.0, 0.0]  # [seconds since start, the arm's CPU seconds then], at row arrivals
     capped = False
     buf = ""
     fh = None
     while True:
         done = proc.poll() is not None
-        others.sample(proc.pid)
+        cpu.sample(proc.pid)
         if fh is None and run_dir and (run_dir[0] / "metrics.jsonl").exists():
             fh = (run_dir[0] / "metrics.jsonl").open()
         if fh is not None:
             buf += fh.read()
             *lines, buf = buf.split("\n")
             now = time.monotonic() - t0
-            if any(x.strip() for x in lines) and not done:  # (an ended arm's CPU is gone)
-                cpu_at = [now, _session_cpu(proc.pid)]
             for line in lines:
                 if line.strip():
-                    r = {**json.loads(line), "arrival_seconds": now, "arm_cpu_at": cpu_at}
+                    r = {**json.loads(line), "arrival_seconds": now, "arm_cpu_at": cpu.arm}
                     rows.append(r)
                     ev = r.get("eval_reward")
                     say(
@@ -499,10 +499,10 @@ def run_arm(arm: str, seed: int, model_dir: Path, work: Path, a: argparse.Namesp
     if fh is not None:
         fh.close()
     total = time.monotonic() - t0
-    if others.total() > 0.05 * total:
+    if cpu.total() > 0.05 * total:
         say(
-            f"    warning: other processes used {others.total():.0f} CPU s during {name}: "
-            f"{others.top()}; its figures are skewed"
+            f"    warning: other processes used {cpu.total():.0f} CPU s during {name}: "
+            f"{cpu.top()}; its figures are skewed"
         )
     if proc.returncode not in (0, None) and not capped:
         tail = log_path.read_text().splitlines()[-15:]
@@ -518,8 +518,8 @@ def run_arm(arm: str, seed: int, model_dir: Path, work: Path, a: argparse.Namesp
         "returncode": proc.returncode,
         "process_seconds": total,
         "log": str(log_path),
-        "other_cpu_seconds": others.total(),
-        "other_cpu_top": others.top(),
+        "other_cpu_seconds": cpu.total(),
+        "other_cpu_top": cpu.top(),
     }
 
 

