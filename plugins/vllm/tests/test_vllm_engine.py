@@ -131,6 +131,18 @@ def test_engine_lifecycle(model_dir, tmp_path):
             assert len(t.response_ids) == len(t.logprobs) == t.num_response_tokens > 0
             assert t.metadata["row"] == 7 and t.versions == [0]
 
+            # stop strings still end a trajectory (vLLM matches them on text: a request
+            # with stop strings is detokenized, one without is not). Every printable
+            # character is a stop string: the first one sampled ends it.
+            printable = [chr(c) for c in range(32, 127)] + ["\t", "\n"]
+            req = _req("s", 100)
+            req = dataclasses.replace(
+                req, sampling=dataclasses.replace(req.sampling, stop=printable)
+            )
+            s = await eng.generate(req)
+            assert s.finish_reason is FinishReason.STOP
+            assert 0 < s.num_response_tokens <= 3
+
             # abort mid-way: the partial is what was produced; the call returns ABORTED
             task = asyncio.ensure_future(eng.generate(_req("b", 200)))
             for _ in range(400):
