@@ -812,7 +812,8 @@ def report(arms: dict[str, dict], target: float) -> tuple[dict, dict]:
                 ["ratio", "samples/s", "tokens/s", "time to target", "incl. start-up"],
             )
         )
-    goals = {}
+    goals: dict[str, dict] = {}
+    ratio_of: dict[str, str] = {}
     for key, ratio, field, bound in [
         ("laminar >= 1.5x TRL samples/s", "laminar/trl", "samples_per_second", 1.5),
         (
@@ -826,12 +827,17 @@ def report(arms: dict[str, dict], target: float) -> tuple[dict, dict]:
         # second); tokens/s does not, so the same goal is read in both
         ("laminar >= 1.3x sync tokens/s", "laminar/sync", "tokens_per_second", 1.3),
     ]:
+        ratio_of[key] = ratio
         got = ratios.get(ratio, {}).get(field)
-        goals[key] = {"ratio": got, "goal": bound, "met": got is not None and got >= bound}
+        # None: not measured (an arm of the ratio was not run, or never got that figure)
+        goals[key] = {"ratio": got, "goal": bound, "met": None if got is None else got >= bound}
     if goals:
         say("\ngoals:")
         for k, g in goals.items():
-            say(f"  {k}: {_fmt(g['ratio'], '.2f', 'n/a')}x -> {'met' if g['met'] else 'MISSED'}")
+            if g["met"] is None:
+                say(f"  {k}: no {ratio_of[k]} ratio (an arm not run or without the figure)")
+            else:
+                say(f"  {k}: {g['ratio']:.2f}x -> {'met' if g['met'] else 'MISSED'}")
     return ratios, goals
 
 
