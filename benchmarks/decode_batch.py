@@ -1,18 +1,22 @@
-"""What a generated token costs a vLLM replica at each decode batch size (CPU).
+"""What a generated token costs a vLLM replica at each decode batch size (CPU), with and
+without vLLM turning each step's tokens into text.
 
     python benchmarks/decode_batch.py [--model runs/small-qwen2] [--batches 4,8,16,32,64,128]
-                                      [--tokens 128] [--json FILE]
+                                      [--tokens 128] [--repeats 3] [--json FILE]
 
-One vLLM engine, built as a Laminar replica builds it on CPU (the engine core in this
-process, ``laminar_vllm.inproc.InprocLLM``, eager, float32, one torch thread, token log-probs
-returned, a delta per step, no detokenizing: a replica serving requests without stop
-strings; ``--detokenize`` as it serves requests with them), generates ``B`` sequences of
-exactly ``--tokens`` tokens at once (EOS ignored, so the batch stays ``B`` to the end) for
-each ``B``, after a warm-up round at that size. Prints the CPU milliseconds per generated
-token, the wall milliseconds per decode step and tokens/s, and a fit
-``cost(B) = a / B + b``: ``a`` the fixed CPU milliseconds of one decode step (scheduling,
-input preparation, sampling, output handling: paid once per step whatever the batch), ``b``
-the milliseconds each token adds (the model's arithmetic).
+One vLLM engine, built with the arguments a Laminar replica gives vLLM on CPU
+(``VLLMRolloutEngine.start``: the engine core in this process, ``laminar_vllm.inproc.
+InprocLLM``, eager, float32, scheduler stats on, one torch thread, token log-probs
+returned, a delta per step), generates ``B`` sequences of exactly ``--tokens`` tokens at
+once (EOS ignored, so the batch stays ``B`` to the end) for each ``B``, after a warm-up
+round at that size; once without detokenizing (a replica serving requests without stop
+strings) and once with it (requests with stop strings, which vLLM matches on text), in
+turns, ``--repeats`` times: the medians are printed side by side, so a machine whose speed
+drifts biases neither. Prints the CPU milliseconds per generated token, the wall
+milliseconds per decode step and tokens/s, and a fit ``cost(B) = a / B + b``: ``a`` the
+fixed CPU milliseconds of one decode step (scheduling, input preparation, sampling, output
+handling: paid once per step whatever the batch), ``b`` the milliseconds each token adds
+(the model's arithmetic).
 
 This is the mechanism behind ``grpo_vs_trl.py``'s laminar vs ``sync`` figures on a CPU
 machine: a replica decoding a fuller batch spends less per token. ``sync`` ends every step
@@ -29,6 +33,7 @@ import asyncio
 import json
 import os
 import resource
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -37,6 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import ROOT, say, table
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in-process
+# as a replica sets it: vLLM's own stats logger (it prints at INFO) is then not added
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 
 def _cpu() -> float:
@@ -55,22 +62,14 @@ def _fit(points: list[tuple[int, float]]) -> tuple[float, float]:
     return a, my - a * mx
 
 
-async def _measure(llm, batches: list[int], tokens: int, detokenize: bool) -> list[dict]:
+async def _measure(llm, batches: list[int], tokens: int, repeats: int) -> list[dict]:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
     from vllm.sampling_params import RequestOutputKind
 
-    params = SamplingParams(
-        max_tokens=tokens,
-        ignore_eos=True,
-        temperature=1.0,
-        logprobs=0,
-        output_kind=RequestOutputKind.DELTA,
-        detokenize=detokenize,
-    )
     ids = iter(range(1 << 30))
 
-    async def one() -> int:
+    async def one(params) -> int:
         n = 0
         prompt = TokensPrompt(prompt_token_ids=list(range(3, 23)))
         async for out in llm.generate(prompt, params, f"r{next(ids)}"):
@@ -79,19 +78,34 @@ async def _measure(llm, batches: list[int], tokens: int, detokenize: bool) -> li
 
     rows = []
     for b in batches:
-        await asyncio.gather(*(one() for _ in range(b)))  # warm-up at this size
-        c0, t0 = _cpu(), time.monotonic()
-        n = sum(await asyncio.gather(*(one() for _ in range(b))))
-        cpu, wall = _cpu() - c0, time.monotonic() - t0
-        rows.append(
-            {
-                "batch": b,
-                "cpu_ms_per_token": 1000 * cpu / n,
-                "step_ms": 1000 * wall / tokens,
-                "tokens_per_second": n / wall,
-            }
+        runs: dict[bool, list[tuple[float, float, int]]] = {False: [], True: []}
+        for rep in range(repeats):
+            for detokenize in (False, True):
+                params = SamplingParams(
+                    max_tokens=tokens,
+                    ignore_eos=True,
+                    temperature=1.0,
+                    logprobs=0,
+                    output_kind=RequestOutputKind.DELTA,
+                    detokenize=detokenize,
+                )
+                if rep == 0:
+                    await asyncio.gather(*(one(params) for _ in range(b)))  # warm-up
+                c0, t0 = _cpu(), time.monotonic()
+                n = sum(await asyncio.gather(*(one(params) for _ in range(b))))
+                runs[detokenize].append((_cpu() - c0, time.monotonic() - t0, n))
+        row: dict[str, float] = {"batch": b}
+        for detokenize, suffix in ((False, ""), (True, "_detokenized")):
+            cpu = statistics.median(c / n for c, _, n in runs[detokenize])
+            wall = statistics.median(w / n for _, w, n in runs[detokenize])
+            row["cpu_ms_per_token" + suffix] = 1000 * cpu
+            row["step_ms" + suffix] = 1000 * wall * b
+            row["tokens_per_second" + suffix] = 1 / wall
+        rows.append(row)
+        say(
+            f"  batch {b}: {row['cpu_ms_per_token']:.3f} CPU ms per token "
+            f"({row['cpu_ms_per_token_detokenized']:.3f} detokenized)"
         )
-        say(f"  batch {b}: {rows[-1]['cpu_ms_per_token']:.3f} CPU ms per token")
     return rows
 
 
@@ -100,11 +114,7 @@ def main() -> None:
     ap.add_argument("--model", default=str(ROOT / "runs" / "small-qwen2"))
     ap.add_argument("--batches", default="4,8,16,32,64,128")
     ap.add_argument("--tokens", type=int, default=128, help="generated per sequence")
-    ap.add_argument(
-        "--detokenize",
-        action="store_true",
-        help="text each step too (what a replica pays only for requests with stop strings)",
-    )
+    ap.add_argument("--repeats", type=int, default=3, help="measurements per batch and mode")
     ap.add_argument("--json", help="write the figures here")
     a = ap.parse_args()
     batches = [int(b) for b in a.batches.split(",")]
@@ -130,34 +140,49 @@ def main() -> None:
         kv_cache_memory_bytes=256 << 20,
         seed=0,
         logprobs_mode="processed_logprobs",
+        disable_log_stats=False,  # a replica reads vLLM's scheduler stats (repack's inputs)
     )
-    llm = InprocLLM.from_engine_args(args)
+    llm = InprocLLM.from_engine_args(args, stat_loggers=[])
     say(f"model {model}, {a.tokens} tokens per sequence, batches {batches}")
     try:
-        rows = asyncio.run(_measure(llm, batches, a.tokens, a.detokenize))
+        rows = asyncio.run(_measure(llm, batches, a.tokens, a.repeats))
     finally:
         llm.shutdown()
-    fixed, per_token = _fit([(r["batch"], r["cpu_ms_per_token"]) for r in rows])
+    fits = {
+        suffix: _fit([(r["batch"], r["cpu_ms_per_token" + suffix]) for r in rows])
+        for suffix in ("", "_detokenized")
+    }
     say(
         table(
             [
                 [
                     str(r["batch"]),
                     f"{r['cpu_ms_per_token']:.3f}",
+                    f"{r['cpu_ms_per_token_detokenized']:.3f}",
+                    f"{r['cpu_ms_per_token'] / r['cpu_ms_per_token_detokenized']:.2f}",
                     f"{r['step_ms']:.1f}",
                     f"{r['tokens_per_second']:.0f}",
                 ]
                 for r in rows
             ],
-            ["decode batch", "CPU ms per token", "ms per decode step", "tokens/s"],
+            [
+                "decode batch",
+                "CPU ms per token",
+                "detokenized",
+                "ratio",
+                "ms per decode step",
+                "tokens/s",
+            ],
         )
     )
-    say(
-        f"fit: CPU ms per token = {fixed:.2f} / batch + {per_token:.3f} "
-        f"(a decode step's fixed cost {fixed:.2f} ms; each token adds {per_token:.3f} ms)"
-    )
+    for suffix, (fixed, per_token) in fits.items():
+        say(
+            f"fit{suffix.replace('_', ', ')}: CPU ms per token = {fixed:.2f} / batch + "
+            f"{per_token:.3f} (a decode step's fixed cost {fixed:.2f} ms; each token adds "
+            f"{per_token:.3f} ms)"
+        )
     if a.json:
-        out = {"rows": rows, "fixed_ms_per_step": fixed, "ms_per_token": per_token}
+        out = {"rows": rows, "fit": {k or "plain": v for k, v in fits.items()}}
         Path(a.json).write_text(json.dumps(out, indent=1))
 
 

@@ -398,10 +398,10 @@ PARTS = ["replicas", "trainer", "relay", "driver_ray"]
 class _Cpu:
     """CPU seconds, sampled from ``/proc`` every 2 s while an arm runs.
 
-    ``arm``: (monotonic time, CPU seconds so far) of the arm itself, the processes of its
-    session (it runs in its own, ``start_new_session``: its driver, Ray daemons, actors and
-    vLLM workers), from the last sample that found any of them alive; ``parts``: the same
-    CPU seconds split by part of the arm (:data:`PART_OF`). ``total``/``top``: processes
+    ``arm``: (monotonic time, CPU seconds so far by part of the arm, :data:`PART_OF`) of
+    the arm itself, the processes of its session (it runs in its own,
+    ``start_new_session``: its driver, Ray daemons, actors and vLLM workers), from the last
+    sample that found any of them alive. ``total``/``top``: processes
     outside the arm and outside this script (another job on the machine), which skew the
     figures and are reported.
     """
@@ -409,8 +409,7 @@ class _Cpu:
     def __init__(self) -> None:
         self.first: dict[int, float] = {}
         self.last: dict[int, tuple[str, float]] = {}
-        self.arm = (0.0, 0.0)
-        self.parts: dict[str, float] = {}
+        self.arm: tuple[float, dict[str, float]] = (0.0, {})
         self.next_at = 0.0
         self.sampled = False
         self.mine = os.getsid(0)
@@ -419,10 +418,10 @@ class _Cpu:
         if time.monotonic() < self.next_at:
             return
         self.next_at = time.monotonic() + 2.0
-        arm, alive, parts = 0.0, False, dict.fromkeys(PARTS, 0.0)
+        alive, parts = False, dict.fromkeys(PARTS, 0.0)
         for pid, name, sid, cpu in _processes():
             if sid == arm_sid:
-                arm, alive = arm + cpu, True
+                alive = True
                 parts[PART_OF.get(name, "driver_ray")] += cpu
                 continue
             if sid == self.mine:
@@ -431,7 +430,7 @@ class _Cpu:
             self.first.setdefault(pid, 0.0 if self.sampled else cpu)
             self.last[pid] = (name, cpu)
         if alive:  # an arm that has ended has no CPU left to read
-            self.arm, self.parts = (time.monotonic(), arm), parts
+            self.arm = (time.monotonic(), parts)
         self.sampled = True
 
     def _used(self) -> dict[str, float]:
@@ -494,7 +493,6 @@ def run_arm(arm: str, seed: int, model_dir: Path, work: Path, a: argparse.Namesp
                         **json.loads(line),
                         "arrival_seconds": now,
                         "arm_cpu_at": cpu.arm,
-                        "arm_parts_cpu": cpu.parts,
                     }
                     rows.append(r)
                     ev = r.get("eval_reward")
@@ -610,18 +608,18 @@ def summarise(res: dict, target: float) -> dict:
         out["step_profile_seconds"] = profile
         # how much of the machine the arm kept busy over the same steps (eval rounds
         # included): on a machine whose cores are full, a schedule gains only by doing less work
-        (t1, cpu1), (t2, cpu2) = rows[WARMUP - 1]["arm_cpu_at"], timed[-1]["arm_cpu_at"]
-        if cpu2 > cpu1 and t2 > t1:
-            out["cores_busy"] = round((cpu2 - cpu1) / (t2 - t1), 2)
+        (t1, p1), (t2, p2) = rows[WARMUP - 1]["arm_cpu_at"], timed[-1]["arm_cpu_at"]
+        used = {k: p2.get(k, 0.0) - p1.get(k, 0.0) for k in PARTS}
+        if sum(used.values()) > 0 and t2 > t1:
+            out["cores_busy"] = round(sum(used.values()) / (t2 - t1), 2)
         # the same CPU seconds by part, per 1k tokens generated over those steps (training
         # and eval rounds' tokens both: the CPU counted includes the eval rounds)
-        p1, p2 = rows[WARMUP - 1].get("arm_parts_cpu"), timed[-1].get("arm_parts_cpu")
         tokens = sum(
             r["tokens"] + (r.get("eval_samples") or 0) * (r.get("eval_response_tokens_mean") or 0)
             for r in timed
         )
-        if p1 and p2 and tokens and not res["arm"].startswith("trl"):
-            per = {k: 1000 * (p2[k] - p1[k]) / tokens for k in PARTS}
+        if p1 and tokens and not res["arm"].startswith("trl"):
+            per = {k: 1000 * v / tokens for k, v in used.items()}
             per["total"] = sum(per.values())
             out["cpu_seconds_per_1k_tokens"] = {k: round(v, 3) for k, v in per.items()}
     out["reward_mean_last5"] = round(
@@ -771,12 +769,12 @@ def report(arms: dict[str, dict], target: float) -> tuple[dict, dict]:
     parts = [s for s in ran if s.get("cpu_seconds_per_1k_tokens")]
     if parts:
         say("\nCPU seconds per 1k tokens generated, by part (after the warm-up, eval included):")
+        cols = [*PARTS, "total"]
         say(
             table(
                 [
-                    [s["arm"], *(f"{s['cpu_seconds_per_1k_tokens'][k]:.3f}" for k in keys)]
+                    [s["arm"], *(f"{s['cpu_seconds_per_1k_tokens'][k]:.3f}" for k in cols)]
                     for s in parts
-                    for keys in [[*PARTS, "total"]]
                 ],
                 ["arm", "replicas", "trainer", "relay", "driver + Ray", "total"],
             )
@@ -813,7 +811,6 @@ def report(arms: dict[str, dict], target: float) -> tuple[dict, dict]:
             )
         )
     goals: dict[str, dict] = {}
-    ratio_of: dict[str, str] = {}
     for key, ratio, field, bound in [
         ("laminar >= 1.5x TRL samples/s", "laminar/trl", "samples_per_second", 1.5),
         (
@@ -827,15 +824,15 @@ def report(arms: dict[str, dict], target: float) -> tuple[dict, dict]:
         # second); tokens/s does not, so the same goal is read in both
         ("laminar >= 1.3x sync tokens/s", "laminar/sync", "tokens_per_second", 1.3),
     ]:
-        ratio_of[key] = ratio
         got = ratios.get(ratio, {}).get(field)
-        # None: not measured (an arm of the ratio was not run, or never got that figure)
-        goals[key] = {"ratio": got, "goal": bound, "met": None if got is None else got >= bound}
+        # met None: not measured (an arm of the ratio was not run, or never got that figure)
+        met = None if got is None else got >= bound
+        goals[key] = {"of": ratio, "ratio": got, "goal": bound, "met": met}
     if goals:
         say("\ngoals:")
         for k, g in goals.items():
             if g["met"] is None:
-                say(f"  {k}: no {ratio_of[k]} ratio (an arm not run or without the figure)")
+                say(f"  {k}: no {g['of']} ratio (an arm not run or without the figure)")
             else:
                 say(f"  {k}: {g['ratio']:.2f}x -> {'met' if g['met'] else 'MISSED'}")
     return ratios, goals

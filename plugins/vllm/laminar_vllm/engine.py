@@ -278,7 +278,7 @@ class VLLMRolloutEngine(RolloutEngine):
                 output_kind=RequestOutputKind.DELTA,
                 # a trajectory is token ids (the driver decodes what a reward reads), so
                 # vLLM's per-step incremental detokenizing is needed only to match stop
-                # strings: without them it cost a CPU replica 15-20% of its time per token
+                # strings; without them it was ~4% of a CPU replica's time per token
                 # (benchmarks/decode_batch.py)
                 detokenize=bool(s.stop),
             )
