@@ -318,6 +318,10 @@ def export_rates(eng, repeats: int) -> dict[str, float]:
     return out
 
 
+def _mb(value: float | None) -> str:
+    return "out of memory" if value is None else f"{value:.2f}"
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", choices=[s for s in SHAPES if s != "smoke"], default="tiny")
@@ -386,10 +390,20 @@ def main(argv: list[str] | None = None) -> dict:
             if cuda:
                 torch.cuda.empty_cache()
         base = PlainLoop(path, device, budget, cfg)
-        dt, peak = timed(lambda: base.step(batch), device, steps)
-        res["plain_tok_s"], res["plain_peak_gib"] = ntok / dt, peak
+        try:
+            dt, peak = timed(lambda: base.step(batch), device, steps)
+            res["plain_tok_s"], res["plain_peak_gib"] = ntok / dt, peak
+        except torch.cuda.OutOfMemoryError:  # its float32 logits: [tokens, vocab] per row
+            dt, peak = None, None
+            res["plain_tok_s"] = res["plain_peak_gib"] = None
+            base.optim.zero_grad(set_to_none=True)
+            torch.cuda.empty_cache()
         rows.insert(0, ("plain torch loop", dt, peak))
-        res["saved_mb_plain"] = base.saved_bytes(batch) / 2**20
+        try:
+            res["saved_mb_plain"] = base.saved_bytes(batch) / 2**20
+        except torch.cuda.OutOfMemoryError:
+            res["saved_mb_plain"] = None
+            torch.cuda.empty_cache()
         best, why = probe(base.step, one, start, cap, device)
         res["plain_longest"], res["plain_longest_why"] = best, why
 
@@ -397,6 +411,9 @@ def main(argv: list[str] | None = None) -> dict:
     header = ["trainer", "tokens/s", "s/step"] + (["MFU", "peak GiB"] if cuda else [])
     out_rows = []
     for name, dt, peak in rows:
+        if dt is None:
+            out_rows.append([name, "out of memory", "-"] + (["-", "-"] if cuda else []))
+            continue
         r = [name, f"{ntok / dt:,.0f}", f"{dt:.3f}"]
         if cuda:
             mfu = flops / dt / (args.peak_tflops * 1e12)
@@ -406,11 +423,11 @@ def main(argv: list[str] | None = None) -> dict:
     say(table(out_rows, header))
     say("")
     mem = [
-        ["plain torch loop (full logits, padded)", f"{res['saved_mb_plain']:.2f}"],
-        ["engine, full logits", f"{res['saved_mb_nockpt_full']:.2f}"],
-        ["engine, chunked head", f"{res['saved_mb_nockpt_chunk']:.2f}"],
-        ["engine, checkpointing, full logits", f"{res['saved_mb_ckpt_full']:.2f}"],
-        ["engine, checkpointing + chunked head", f"{res['saved_mb_ckpt_chunk']:.2f}"],
+        ["plain torch loop (full logits, padded)", _mb(res["saved_mb_plain"])],
+        ["engine, full logits", _mb(res["saved_mb_nockpt_full"])],
+        ["engine, chunked head", _mb(res["saved_mb_nockpt_chunk"])],
+        ["engine, checkpointing, full logits", _mb(res["saved_mb_ckpt_full"])],
+        ["engine, checkpointing + chunked head", _mb(res["saved_mb_ckpt_chunk"])],
     ]
     say(table(mem, ["saved for backward, largest micro-batch", "MB"]))
     say("")

@@ -13,7 +13,15 @@ from .config import (
     validate_algorithm,
 )
 from .logprobs import chunked_logprobs, full_logprobs
-from .losses import aggregate, kl_penalty, policy_loss, ppo_clip_loss, truncated_is_weights
+from .losses import (
+    aggregate,
+    kl_penalty,
+    metric_floats,
+    policy_loss,
+    policy_loss_terms,
+    ppo_clip_loss,
+    truncated_is_weights,
+)
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
@@ -28,7 +36,9 @@ __all__ = [
     "full_logprobs",
     "grpo",
     "kl_penalty",
+    "metric_floats",
     "policy_loss",
+    "policy_loss_terms",
     "ppo_clip_loss",
     "reinforce_pp",
     "rloo",

@@ -26,7 +26,9 @@ from .config import KL_ESTIMATORS, LOSS_AGGREGATIONS, unknown_choice, validate_a
 __all__ = [
     "aggregate",
     "kl_penalty",
+    "metric_floats",
     "policy_loss",
+    "policy_loss_terms",
     "ppo_clip_loss",
     "truncated_is_weights",
 ]
@@ -153,6 +155,32 @@ def ppo_clip_loss(
         ``clip_high_fraction``: ratio > 1 + clip_high with A > 0); ``ratio_mean``;
         ``approx_kl`` mean of ``old_logprobs - logprobs`` (k1 estimate of KL(old || new)).
     """
+    loss, terms = _ppo_clip_terms(
+        logprobs, old_logprobs, advantages, mask, clip_low, clip_high, agg, is_weights, max_len
+    )
+    return loss, metric_floats(terms)
+
+
+def metric_floats(terms: dict[str, Tensor]) -> dict[str, float]:
+    """0-dim metric tensors -> Python floats, in one device->host transfer."""
+    if not terms:
+        return {}
+    values = torch.stack([v.detach().float() for v in terms.values()]).tolist()
+    return dict(zip(terms.keys(), values, strict=True))
+
+
+def _ppo_clip_terms(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.28,
+    agg: str = "token_mean",
+    is_weights: Tensor | None = None,
+    max_len: int | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """``ppo_clip_loss`` with its metrics as 0-dim tensors on the loss's device."""
     _check_2d("logprobs", logprobs)
     _check_like("old_logprobs", old_logprobs, logprobs)
     _check_like("mask", mask, logprobs)
@@ -175,18 +203,14 @@ def ppo_clip_loss(
         n = m.sum().clamp_min(1)
         clip_low_hit = m & (ratio < 1.0 - clip_low) & (adv < 0)
         clip_high_hit = m & (ratio > 1.0 + clip_high) & (adv > 0)
-        # One device->host transfer for all metrics.
-        values = torch.stack(
-            [
-                (clip_low_hit | clip_high_hit).sum() / n,
-                clip_low_hit.sum() / n,
-                clip_high_hit.sum() / n,
-                torch.where(m, ratio, 0.0).sum() / n,
-                -log_ratio.sum() / n,  # log_ratio is 0 off the mask
-            ]
-        ).tolist()
-    keys = ("clip_fraction", "clip_low_fraction", "clip_high_fraction", "ratio_mean", "approx_kl")
-    return loss, dict(zip(keys, values, strict=True))
+        metrics = {
+            "clip_fraction": (clip_low_hit | clip_high_hit).sum() / n,
+            "clip_low_fraction": clip_low_hit.sum() / n,
+            "clip_high_fraction": clip_high_hit.sum() / n,
+            "ratio_mean": torch.where(m, ratio, 0.0).sum() / n,
+            "approx_kl": -log_ratio.sum() / n,  # log_ratio is 0 off the mask
+        }
+    return loss, metrics
 
 
 def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, kind: str = "k3") -> Tensor:
@@ -266,6 +290,27 @@ def policy_loss(
         ValueError: ``cfg`` is invalid (see ``validate_algorithm``), or an input the
             configuration needs is missing (the message names the argument and the reason).
     """
+    loss, terms = policy_loss_terms(
+        cfg, logprobs, behaviour_logprobs, advantages, mask,
+        old_logprobs, proximal_logprobs, ref_logprobs, max_len,
+    )  # fmt: skip
+    return loss, metric_floats(terms)
+
+
+def policy_loss_terms(
+    cfg: Any,
+    logprobs: Tensor,
+    behaviour_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    old_logprobs: Tensor | None = None,
+    proximal_logprobs: Tensor | None = None,
+    ref_logprobs: Tensor | None = None,
+    max_len: int | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """``policy_loss`` with its metrics as 0-dim tensors on the loss's device: no
+    device->host transfer, so a trainer summing them over micro-batches lets the host run
+    ahead of the GPU and reads them once per step (``metric_floats``)."""
     validate_algorithm(cfg)
     correction = cfg.off_policy
     weights: Tensor | None = None
@@ -283,7 +328,7 @@ def policy_loss(
     if cfg.kl_coef > 0:
         ref = _require(ref_logprobs, "ref_logprobs", f"kl_coef={cfg.kl_coef} > 0")
 
-    pg_loss, metrics = ppo_clip_loss(
+    pg_loss, metrics = _ppo_clip_terms(
         logprobs,
         anchor,
         advantages,
@@ -295,20 +340,18 @@ def policy_loss(
         max_len=max_len,
     )
     loss = pg_loss
-    extra = {"pg_loss": pg_loss.detach()}
+    metrics["pg_loss"] = pg_loss.detach()
     if ref is not None:
         kl = aggregate(
             kl_penalty(logprobs, ref, mask, cfg.kl_estimator), mask, cfg.loss_agg, max_len
         )
         loss = loss + cfg.kl_coef * kl
-        extra["kl"] = kl.detach()
+        metrics["kl"] = kl.detach()
     if weights is not None:
         m = mask.bool()
         n = m.sum().clamp_min(1)
-        extra["is_weight_mean"] = weights.sum() / n  # weights are 0 off the mask
+        metrics["is_weight_mean"] = weights.sum() / n  # weights are 0 off the mask
         if cfg.is_cap is not None:
-            extra["is_capped_fraction"] = (m & (weights >= cfg.is_cap)).sum() / n
-    extra["loss"] = loss.detach()
-    values = torch.stack([v.float() for v in extra.values()]).tolist()
-    metrics.update(zip(extra.keys(), values, strict=True))
+            metrics["is_capped_fraction"] = (m & (weights >= cfg.is_cap)).sum() / n
+    metrics["loss"] = loss.detach()
     return loss, metrics

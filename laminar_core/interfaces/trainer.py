@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import os
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +36,14 @@ class TrainerContext:
     config: Any
     algorithm: Any
     options: dict[str, Any] = field(default_factory=dict)
+
+    def cuda_device(self) -> int:
+        """The CUDA device index this rank computes on: ``LOCAL_RANK`` where a launcher set
+        it (torchrun), else the rank modulo the visible devices. Under Ray each rank sees the
+        one GPU it was given (index 0); ranks spawned on one multi-GPU host (the testing
+        harness) get one each. NCCL refuses two ranks of one group on one GPU."""
+        local = os.environ.get("LOCAL_RANK")
+        return int(local) if local is not None else self.rank % max(1, torch.cuda.device_count())
 
 
 class TrainerEngine(abc.ABC):

@@ -29,6 +29,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from laminar_fsdp.batching import to_device
+
 ATTENTION_NAME = "laminar_packed"
 
 
@@ -48,7 +50,7 @@ class PackedRow:
     @classmethod
     def of(cls, bounds: list[int], device: torch.device, **sp) -> PackedRow:
         lengths = [b - a for a, b in pairwise(bounds)]
-        cu = torch.tensor(bounds, dtype=torch.int32, device=device)
+        cu = to_device(torch.tensor(bounds, dtype=torch.int32), device)
         return cls(cu, list(bounds), max(lengths, default=1), **sp)
 
 

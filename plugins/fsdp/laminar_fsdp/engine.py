@@ -18,7 +18,6 @@ import asyncio
 import importlib.util
 import json
 import math
-import os
 import socket
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -37,7 +36,7 @@ from laminar_core import (
     Trajectory,
     model_dir,
 )
-from laminar_core.algorithms import compute_advantages, policy_loss
+from laminar_core.algorithms import compute_advantages, policy_loss_terms
 from laminar_fsdp import attention, ulysses
 from laminar_fsdp.attention import PackedRow
 from laminar_fsdp.batching import (
@@ -50,6 +49,7 @@ from laminar_fsdp.batching import (
     pack_micro_batches,
     padded,
     responses,
+    to_device,
     trainable,
 )
 from laminar_fsdp.export import WeightStream, export_buckets
@@ -130,7 +130,7 @@ class FSDPTrainerEngine(TrainerEngine):
         cuda = torch.cuda.is_available() and self.opt.backend != "gloo"
         backend = "nccl" if cuda else "gloo"
         if cuda:
-            self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+            self.device = torch.device("cuda", ctx.cuda_device())
             torch.cuda.set_device(self.device)
         torch.manual_seed(int(ctx.options.get("seed", self.cfg.run.seed)))
         if not dist.is_initialized():
@@ -230,11 +230,11 @@ class FSDPTrainerEngine(TrainerEngine):
             width = ids.shape[1] // self.sp
             cols = slice(self.sp_rank * width, (self.sp_rank + 1) * width)
             ids, pos, labels = ids[:, cols], pos[:, cols], labels[:, cols]
-        mask = mb.attention_mask.to(dev) if mb.attention_mask is not None else None
+        mask = to_device(mb.attention_mask, dev) if mb.attention_mask is not None else None
         lp, ent = self.model(
-            ids.to(dev),
-            pos.to(dev),
-            labels.to(dev),
+            to_device(ids, dev),
+            to_device(pos, dev),
+            to_device(labels, dev),
             mask,
             temperature=self.temperature,
             chunk=self.opt.logprob_chunk,
@@ -273,9 +273,12 @@ class FSDPTrainerEngine(TrainerEngine):
     def _compute_logprobs(self, batch: TrainBatch) -> list[list[float]]:
         trajs = trainable(batch.trajectories)
         self._recomputed.clear()
+        done = []  # every micro-batch queued before the first host copy waits for the GPU
         for mb in self._plan(trajs, list(range(len(trajs)))):
             lp, _ = self._forward(mb)
-            resp = responses(lp, mb.spans).cpu()
+            done.append((mb, responses(lp, mb.spans)))
+        for mb, resp in done:
+            resp = resp.cpu()
             for k, (i, (_, _, n)) in enumerate(zip(mb.index, mb.spans, strict=True)):
                 self._recomputed[trajs[i].traj_id] = resp[k, :n].clone()
         return [
@@ -297,7 +300,7 @@ class FSDPTrainerEngine(TrainerEngine):
                     f"train_step (trajectory {trajs[i].traj_id} has no recomputed log-probs)"
                 )
             rows.append(got)
-        return padded(rows, width).to(self.device)
+        return to_device(padded(rows, width), self.device)
 
     def saved_activation_bytes(self, batch: TrainBatch) -> SavedBytes:
         """What one micro-batch's forward keeps for backward: the micro-batch of this rank
@@ -317,8 +320,10 @@ class FSDPTrainerEngine(TrainerEngine):
 
     def _train_step(self, batch: TrainBatch) -> dict[str, float]:
         trajs = trainable(batch.trajectories)
-        sums: dict[str, float] = {}
-        diff = torch.zeros(3, dtype=torch.float64)  # max |Δlogp|, sum |Δlogp|, tokens
+        # metric sums stay on the device until the step's end: a host read per micro-batch
+        # would stop the host from queueing kernels ahead of the GPU
+        sums: dict[str, torch.Tensor] = {}
+        diff = torch.zeros(3, dtype=torch.float64, device=self.device)  # max, sum |Δlogp|, tokens
         # the version these weights were published as: the run's (``batch.version``) can run
         # ahead of the optimiser steps taken after a trainer restart; a bare batch: ours
         self._held = batch.version if batch.version >= 0 else self.version
@@ -334,14 +339,13 @@ class FSDPTrainerEngine(TrainerEngine):
             every: list[list[str]] = [[] for _ in range(self.world)]
             dist.all_gather_object(every, keys)
             keys = sorted(set().union(*every))
-        values = [sums.get(k, 0.0) for k in keys] + [diff[1].item(), diff[2].item()]
-        flat = torch.tensor(values, dtype=torch.float64)
+        zero = torch.zeros((), dtype=torch.float64, device=self.device)
+        flat = torch.stack([sums.get(k, zero) for k in keys] + [diff[1], diff[2]])
         dmax = diff[:1].clone()
-        if self.world > 1:  # NCCL reduces device tensors only
-            flat, dmax = flat.to(self.device), dmax.to(self.device)
+        if self.world > 1:
             dist.all_reduce(flat)
             dist.all_reduce(dmax, op=dist.ReduceOp.MAX)
-            flat, dmax = flat.cpu(), dmax.cpu()
+        flat, dmax = flat.cpu(), dmax.cpu()  # the step's one wait for the device
         n_chunks = max(1, min(self.cfg.trainer.mini_batches, len(trajs))) if trajs else 1
         out = {k: flat[i].item() / n_chunks for i, k in enumerate(keys)}
         out["lr"] = self.optim.param_groups[0]["lr"]
@@ -366,7 +370,7 @@ class FSDPTrainerEngine(TrainerEngine):
         trajs: list[Trajectory],
         chunk: list[int],
         advantages: torch.Tensor,
-        sums: dict[str, float],
+        sums: dict[str, torch.Tensor],
         diff: torch.Tensor | None,
     ) -> None:
         token_level = self.algo.loss_agg == "token_mean"
@@ -387,14 +391,14 @@ class FSDPTrainerEngine(TrainerEngine):
                 continue
             lp = responses(lp_rows, mb.spans)
             width = max(n for _, _, n in mb.spans)
-            mask = padded([masks[i] for i in mb.index], width).to(self.device)
-            behaviour = padded([trajs[i].logprobs for i in mb.index], width).to(self.device)
+            mask = to_device(padded([masks[i] for i in mb.index], width), self.device)
+            behaviour = to_device(padded([trajs[i].logprobs for i in mb.index], width), self.device)
             recomputed = self._recomputed_like(trajs, mb, width)
-            loss, metrics = policy_loss(
+            loss, metrics = policy_loss_terms(
                 self.algo,
                 lp,
                 behaviour,
-                advantages[mb.index].to(self.device),
+                to_device(advantages[mb.index], self.device),
                 mask,
                 old_logprobs=recomputed,
                 proximal_logprobs=recomputed,
@@ -408,14 +412,15 @@ class FSDPTrainerEngine(TrainerEngine):
             (loss * frac * self.world).backward()
             share = frac if report else 0.0  # same keys on every rank: the all-reduce needs them
             for k, v in metrics.items():
-                sums[k] = sums.get(k, 0.0) + float(v) * share
-            ent = (responses(ent_rows, mb.spans) * mask).sum().item() if report else 0.0
-            sums["entropy"] = sums.get("entropy", 0.0) + ent / max(1, tokens)
+                _add(sums, k, v.double() * share)
+            if report:
+                ent = (responses(ent_rows, mb.spans) * mask).sum().double()
+                _add(sums, "entropy", ent / max(1, tokens))
             if diff is not None and report:
                 self._agreement(trajs, mb, lp.detach(), behaviour, mask, diff)
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.opt.grad_clip)
         norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-        sums["grad_norm"] = sums.get("grad_norm", 0.0) + float(norm) / self.world
+        _add(sums, "grad_norm", norm.double() / self.world)
         self.optim.step()
         self.sched.step()
 
@@ -423,16 +428,16 @@ class FSDPTrainerEngine(TrainerEngine):
         """|trainer - rollout| log-prob over tokens generated by the version held now
         (``self._held``: the version the run published these weights as)."""
         rows = [
-            k
-            for k, i in enumerate(mb.index)
-            if trajs[i].versions in ([], [self._held]) and trajs[i].version == self._held
+            float(trajs[i].versions in ([], [self._held]) and trajs[i].version == self._held)
+            for i in mb.index
         ]
-        if not rows:
+        if not any(rows):
             return
-        d = ((lp[rows] - behaviour[rows]).abs() * mask[rows]).double().cpu()
-        diff[0] = max(diff[0].item(), d.max().item())
+        weight = mask * to_device(torch.tensor(rows), mask.device)[:, None]
+        d = ((lp - behaviour).abs() * weight).double()
+        diff[0] = torch.maximum(diff[0], d.max())  # on the device: no wait for the GPU
         diff[1] += d.sum()
-        diff[2] += mask[rows].sum().item()
+        diff[2] += weight.sum()
 
     # -- weights -----------------------------------------------------------------------------
     async def export_weights(self) -> AsyncIterator[tuple[str, torch.Tensor]]:
@@ -505,6 +510,10 @@ def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     base = getattr(model, getattr(model, "base_model_prefix", "model"), model)
     layers = getattr(base, "layers", None) or getattr(base, "h", None)
     return list(layers) if layers is not None else []
+
+
+def _add(sums: dict[str, torch.Tensor], key: str, value: torch.Tensor) -> None:
+    sums[key] = sums[key] + value if key in sums else value
 
 
 def _split(n: int, parts: int) -> list[list[int]]:

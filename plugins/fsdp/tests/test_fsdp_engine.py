@@ -71,7 +71,7 @@ def _rank(rank: int, world: int, port: int, model_dir: str, ckpt: str, out: dict
 
     async def main() -> dict:
         # buckets of 256 KiB: the tiny model's ~1 MiB goes out in several
-        opts = FSDPOptions(lr=1e-3, micro_batch_tokens=40, export_bucket_mb=0.25)
+        opts = FSDPOptions(lr=1e-3, micro_batch_tokens=40, export_bucket_mb=0.25, backend="gloo")
         eng = FSDPTrainerEngine(cfg, opts)
         ctx = TrainerContext(
             rank,

@@ -81,21 +81,26 @@ def test_updates_match_a_plain_torch_grpo_reference(tiny_model):
                         t.reward = float(torch.rand((), generator=gen))  # graded rewards
                 want, want_grads = _reference_step(ref, optim, trajs, groups, cfg.algorithm)
                 got = await eng.train_step(batch)
-                grads = {n: p.grad.full_tensor().clone() for n, p in eng.lm.named_parameters()}
+                named = eng.lm.named_parameters()  # host copies: the engine may be on a GPU
+                grads = {n: p.grad.full_tensor().to("cpu", copy=True) for n, p in named}
                 out.append((want, want_grads, got["loss"], grads))
-            params = {n: p.full_tensor().detach().clone() for n, p in eng.lm.named_parameters()}
+            named = eng.lm.named_parameters()
+            params = {n: p.full_tensor().detach().to("cpu", copy=True) for n, p in named}
         finally:
             await eng.close()
         return out, params
 
     steps, params = asyncio.run(main())
-    for want, want_grads, got, grads in steps:
+    for step, (want, want_grads, got, grads) in enumerate(steps):
         assert got == pytest.approx(want, rel=1e-4, abs=1e-6)
         # the gradients before Adam: a loss scaled wrongly shows here (Adam's
         # update would hide it: it is invariant to the gradient's scale)
         assert grads.keys() == want_grads.keys()
         for name, g in grads.items():
-            torch.testing.assert_close(g, want_grads[name], atol=1e-6, rtol=1e-3, msg=name)
+            where = f"step {step}, {name}"
+            torch.testing.assert_close(
+                g, want_grads[name], atol=1e-6, rtol=1e-3, msg=lambda m, w=where: f"{w}: {m}"
+            )
     final = dict(ref.named_parameters())
     for name, p in params.items():
         moved = final[name].detach() - start[name]

@@ -22,7 +22,6 @@ import asyncio
 import functools
 import itertools
 import json
-import os
 import socket
 import warnings
 from collections.abc import AsyncIterator, Callable
@@ -140,7 +139,7 @@ class MegatronTrainerEngine(TrainerEngine):
                 f"machine {'has' if cuda else 'has no'} CUDA: use backend=auto"
             )
         if cuda:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+            torch.cuda.set_device(ctx.cuda_device())
         self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else None
         self.device = self.device or torch.device("cpu")
         if not dist.is_initialized():
