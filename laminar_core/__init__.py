@@ -32,6 +32,7 @@ from laminar_core.interfaces import (
     WeightsRef,
     WeightTransport,
     iterate_in_thread,
+    to_device,
 )
 from laminar_core.models import build_tiny_model, model_dir
 from laminar_core.plugins import hookimpl
@@ -121,5 +122,6 @@ __all__ = [
     "make_environment",
     "make_parser",
     "model_dir",
+    "to_device",
     "unpack",
 ]

@@ -19,6 +19,7 @@ from laminar_core.interfaces.trainer import (
     TrainerEngine,
     TrainerFailure,
     iterate_in_thread,
+    to_device,
 )
 from laminar_core.interfaces.transport import Alloc, TransportError, WeightTransport
 from laminar_core.interfaces.weights import (
@@ -55,4 +56,5 @@ __all__ = [
     "WeightsRef",
     "build",
     "iterate_in_thread",
+    "to_device",
 ]

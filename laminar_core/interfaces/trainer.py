@@ -104,6 +104,20 @@ class TrainerEngine(abc.ABC):
         """Leave the group and release what ``setup`` took."""
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device`` without making the host wait for the GPU.
+
+    A copy from pageable host memory to CUDA blocks until it is done, so a trainer that
+    moves each micro-batch's inputs that way stops queueing kernels ahead of the GPU at
+    every one (on an H100, 155 such waits in one FSDP step of a 0.5B model; the GPU idle ~40%
+    of the step). From pinned memory the copy is queued on the stream like a kernel (torch's
+    pinned-memory cache keeps the buffer until the copy has run). Elsewhere: ``t.to(device)``.
+    """
+    if device.type != "cuda" or t.device.type != "cpu":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 async def iterate_in_thread(
     items: Iterable[tuple[str, torch.Tensor]],
 ) -> AsyncIterator[tuple[str, torch.Tensor]]:

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from laminar_fsdp.batching import to_device
+from laminar_core import to_device
 
 ATTENTION_NAME = "laminar_packed"
 

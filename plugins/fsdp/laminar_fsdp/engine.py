@@ -35,6 +35,7 @@ from laminar_core import (
     TrainerEngine,
     Trajectory,
     model_dir,
+    to_device,
 )
 from laminar_core.algorithms import compute_advantages, policy_loss_terms
 from laminar_fsdp import attention, ulysses
@@ -49,7 +50,6 @@ from laminar_fsdp.batching import (
     pack_micro_batches,
     padded,
     responses,
-    to_device,
     trainable,
 )
 from laminar_fsdp.export import WeightStream, export_buckets

@@ -6,7 +6,7 @@ loaded from its safetensors, wrapped in megatron's ``DistributedDataParallel`` a
 its ``DistributedOptimizer``, ``OptimizerParamScheduler`` and pipeline schedules
 (``get_forward_backward_func``). Megatron computes logits; core defines the objective:
 log-probs come from the vocabulary-parallel logits (:mod:`laminar_megatron.logprobs`, the
-vocabulary is never gathered) and the loss is ``laminar_core.algorithms.policy_loss``, the
+vocabulary is never gathered) and the loss is ``laminar_core.algorithms.policy_loss_terms``, the
 same as laminar-fsdp's, on the same micro-batch split.
 
 Every rank gets the whole ``TrainBatch``: trajectories go to data-parallel ranks by token
@@ -39,8 +39,9 @@ from laminar_core import (
     TrainerEngine,
     Trajectory,
     model_dir,
+    to_device,
 )
-from laminar_core.algorithms import compute_advantages, policy_loss
+from laminar_core.algorithms import compute_advantages, policy_loss_terms
 from laminar_megatron import cpu_compat
 from laminar_megatron.batching import (
     MicroBatch,
@@ -402,7 +403,7 @@ class MegatronTrainerEngine(TrainerEngine):
 
     # -- forward -----------------------------------------------------------------------------
     def _inputs(self, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        ids = mb.input_ids.to(self.device)
+        ids = to_device(mb.input_ids, self.device)
         if self.sequence_parallel and ids.shape[1] % self.tp:
             # the sequence is split over TP ranks: pad it (on the right, after every real
             # token, so the causal mask keeps it out of their log-probs)
@@ -420,7 +421,7 @@ class MegatronTrainerEngine(TrainerEngine):
     def _token_logprobs(self, output: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
         """``[B, L-1]`` log-probs of each next token from this rank's vocabulary slice."""
         logits = output[:, : mb.input_ids.shape[1] - 1].float() / self.temperature
-        labels = mb.labels.to(self.device)
+        labels = to_device(mb.labels, self.device)
         group = self.tp_group if self.tp > 1 else None
         return vocab_parallel_logprobs(logits, labels, self.arch.vocab_size, group)
 
@@ -515,7 +516,7 @@ class MegatronTrainerEngine(TrainerEngine):
                 )
             p = len(t.prompt_ids)
             out[row, p - 1 : p - 1 + len(got)] = got
-        return out.to(self.device)
+        return to_device(out, self.device)
 
     # -- training ----------------------------------------------------------------------------
     async def train_step(self, batch: TrainBatch) -> dict[str, float]:
@@ -579,19 +580,23 @@ class MegatronTrainerEngine(TrainerEngine):
             1, sum(counts.values()) if token_level else sum(1 for c in counts.values() if c)
         )
         one = torch.ones((), dtype=torch.int)
+        # the micro-batches' metric sums and log-prob agreement stay on the device until
+        # the optimiser step: a host read per micro-batch would make the host wait for the GPU
+        terms: dict[str, torch.Tensor] = {}
+        agree = torch.zeros(3, dtype=torch.float64, device=self.device)  # max, sum, tokens
 
         def loss_fn(mb: MicroBatch, output: torch.Tensor):
             lp = self._token_logprobs(output, mb)
             if not mb.index:
                 return lp.sum() * 0.0, one, {}
-            mask = mb.mask.to(self.device)
-            behaviour = mb.behaviour.to(self.device)
+            mask = to_device(mb.mask, self.device)
+            behaviour = to_device(mb.behaviour, self.device)
             recomputed = self._recomputed_like(trajs, mb)
-            loss, metrics = policy_loss(
+            loss, metrics = policy_loss_terms(
                 self.algo,
                 lp,
                 behaviour,
-                advantages[mb.index].to(self.device),
+                to_device(advantages[mb.index], self.device),
                 mask,
                 old_logprobs=recomputed,
                 proximal_logprobs=recomputed,
@@ -603,9 +608,9 @@ class MegatronTrainerEngine(TrainerEngine):
             frac = (mb.num_tokens if token_level else seqs) / total
             if self._reports:
                 for k, v in metrics.items():
-                    sums[k] = sums.get(k, 0.0) + float(v) * frac
+                    terms[k] = terms[k] + v.double() * frac if k in terms else v.double() * frac
                 if diff is not None:
-                    self._agreement(trajs, mb, lp.detach(), behaviour, mask, diff)
+                    self._agreement(trajs, mb, lp.detach(), behaviour, mask, agree)
             return loss * frac, one, {}
 
         self.model.zero_grad_buffer()
@@ -613,23 +618,31 @@ class MegatronTrainerEngine(TrainerEngine):
         self._schedule(self._plan(trajs, chunk), loss_fn, forward_only=False)
         _, norm, _ = self.optim.step()
         self.sched.step(1)
+        if terms:  # one host read for the mini-batch's figures
+            values = torch.stack(list(terms.values())).tolist()
+            for k, v in zip(terms, values, strict=True):
+                sums[k] = sums.get(k, 0.0) + v
+        if diff is not None and self._reports:
+            top, total, tokens = agree.tolist()
+            diff[0], diff[1], diff[2] = max(diff[0], top), diff[1] + total, diff[2] + tokens
         if self._reports and norm is not None:
             sums["grad_norm"] = sums.get("grad_norm", 0.0) + float(norm) / self.dp
 
-    def _agreement(self, trajs, mb, lp, behaviour, mask, diff: list[float]) -> None:
+    def _agreement(self, trajs, mb, lp, behaviour, mask, agree: torch.Tensor) -> None:
         """|trainer - rollout| log-prob over tokens generated by the version held now
-        (``self._held``: the version the run published these weights as)."""
+        (``self._held``: the version the run published these weights as), added into
+        ``agree`` (max, sum, tokens) on the device."""
         rows = [
-            r
-            for r, i in enumerate(mb.index)
-            if trajs[i].versions in ([], [self._held]) and trajs[i].version == self._held
+            float(trajs[i].versions in ([], [self._held]) and trajs[i].version == self._held)
+            for i in mb.index
         ]
-        if not rows:
+        if not any(rows):
             return
-        d = ((lp[rows] - behaviour[rows]).abs() * mask[rows]).double().cpu()
-        diff[0] = max(diff[0], d.max().item())
-        diff[1] += d.sum().item()
-        diff[2] += mask[rows].sum().item()
+        weight = mask * to_device(torch.tensor(rows), mask.device)[:, None]
+        d = ((lp - behaviour).abs() * weight).double()
+        agree[0] = torch.maximum(agree[0], d.max())
+        agree[1] += d.sum()
+        agree[2] += weight.sum()
 
     # -- weights -----------------------------------------------------------------------------
     async def export_weights(self) -> AsyncIterator[tuple[str, torch.Tensor]]:
