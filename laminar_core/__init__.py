@@ -31,6 +31,7 @@ from laminar_core.interfaces import (
     TransportError,
     WeightsRef,
     WeightTransport,
+    add_logprob_agreement,
     iterate_in_thread,
     to_device,
 )
@@ -109,6 +110,7 @@ __all__ = [
     "WeightTransport",
     "WeightsRef",
     "__version__",
+    "add_logprob_agreement",
     "bucket_checksum",
     "build_prompts",
     "build_reward",

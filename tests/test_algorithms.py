@@ -488,3 +488,19 @@ def test_constants_are_exported_names():
     assert math.isclose(AlgorithmConfig().adv_eps, 1e-6)
     assert LOSS_AGGREGATIONS == ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
     assert set(ADVANTAGE_ESTIMATORS) == {"grpo", "dr_grpo", "rloo", "reinforce_pp"}
+
+
+def test_logprob_agreement_counts_only_the_marked_rows_masked_tokens():
+    """The trainer-vs-rollout gap an engine reports: masked tokens of marked rows only,
+    accumulated over calls into [max, sum, tokens] without leaving the tensors' device."""
+    from laminar_core import add_logprob_agreement
+
+    lp = t([[-1.0, -2.0, -3.0], [-1.0, -1.0, -1.0]])
+    beh = t([[-1.5, -2.0, -9.0], [-4.0, -4.0, -4.0]])  # row 1 is far off but not marked
+    mask = t([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])  # column 2 of row 0 is padding
+    acc = torch.zeros(3, dtype=torch.float64)
+    add_logprob_agreement(acc, lp, beh, mask, [True, False])
+    assert acc.tolist() == pytest.approx([0.5, 0.5, 2.0])
+    add_logprob_agreement(acc, lp, beh, mask, [False, False])  # nothing marked: unchanged
+    add_logprob_agreement(acc, lp, beh, mask, [False, True])
+    assert acc.tolist() == pytest.approx([3.0, 9.5, 5.0])

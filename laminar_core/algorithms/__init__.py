@@ -1,6 +1,7 @@
 """RL objectives as pure torch functions: advantage estimators, policy losses, corrections.
 
-No engine, no I/O: every function maps tensors to tensors (plus metrics as Python floats).
+No engine, no I/O: every function maps tensors to tensors (plus metrics as Python floats, or
+as device tensors from ``policy_loss_terms``).
 """
 
 from .advantages import compute_advantages, dr_grpo, grpo, reinforce_pp, rloo

@@ -11,7 +11,8 @@ Common contract:
     proximal and reference log-probs, advantages and importance weights are detached here,
     whatever the caller passes.
 
-    Losses are 0-dim tensors to minimise; metrics are plain Python floats.
+    Losses are 0-dim tensors to minimise; metrics are plain Python floats (``*_terms``: 0-dim
+    tensors on the loss's device, for trainers that sum them over micro-batches).
 """
 
 from __future__ import annotations
@@ -162,10 +163,11 @@ def ppo_clip_loss(
 
 
 def metric_floats(terms: dict[str, Tensor]) -> dict[str, float]:
-    """0-dim metric tensors -> Python floats, in one device->host transfer."""
+    """0-dim metric tensors -> Python floats, in one device->host transfer (through float64:
+    float32 values come out exact and float64 sums keep their precision)."""
     if not terms:
         return {}
-    values = torch.stack([v.detach().float() for v in terms.values()]).tolist()
+    values = torch.stack([v.detach().double() for v in terms.values()]).tolist()
     return dict(zip(terms.keys(), values, strict=True))
 
 

@@ -18,6 +18,7 @@ from laminar_core.interfaces.trainer import (
     TrainerContext,
     TrainerEngine,
     TrainerFailure,
+    add_logprob_agreement,
     iterate_in_thread,
     to_device,
 )
@@ -54,6 +55,7 @@ __all__ = [
     "TransportError",
     "WeightTransport",
     "WeightsRef",
+    "add_logprob_agreement",
     "build",
     "iterate_in_thread",
     "to_device",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import os
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -109,13 +109,34 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
     A copy from pageable host memory to CUDA blocks until it is done, so a trainer that
     moves each micro-batch's inputs that way stops queueing kernels ahead of the GPU at
-    every one (on an H100, 155 such waits in one FSDP step of a 0.5B model; the GPU idle ~40%
-    of the step). From pinned memory the copy is queued on the stream like a kernel (torch's
-    pinned-memory cache keeps the buffer until the copy has run). Elsewhere: ``t.to(device)``.
+    every one (on an H100, such copies and per-micro-batch metric reads made 155 waits in one
+    FSDP step of a 0.5B model, the GPU idle ~40% of it). From pinned memory the copy is
+    queued on the stream like a kernel (torch's pinned-memory cache keeps the buffer until
+    the copy has run). Elsewhere: ``t.to(device)``.
     """
     if device.type != "cuda" or t.device.type != "cpu":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
+
+
+def add_logprob_agreement(
+    acc: torch.Tensor,
+    logprobs: torch.Tensor,
+    behaviour: torch.Tensor,
+    mask: torch.Tensor,
+    rows: Sequence[bool],
+) -> None:
+    """Add ``|logprobs - behaviour|`` (``[B, T]``) over the masked tokens of the rows marked
+    in ``rows`` into ``acc = [max, sum, tokens]`` (float64, on the tensors' device): the
+    trainer-vs-rollout log-prob gap an engine reports, kept on the device so that it is read
+    once per step, not once per micro-batch."""
+    if not any(rows):
+        return
+    weight = mask * to_device(torch.tensor(rows, dtype=mask.dtype), mask.device)[:, None]
+    d = ((logprobs - behaviour).abs() * weight).double()
+    acc[0] = torch.maximum(acc[0], d.max())
+    acc[1] += d.sum()
+    acc[2] += weight.sum()
 
 
 async def iterate_in_thread(
