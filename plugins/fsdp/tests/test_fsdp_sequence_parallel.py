@@ -20,8 +20,6 @@ from fsdp_batches import config, free_port, long_tail_batch
 from laminar_core import TrainerContext
 from laminar_fsdp import FSDPOptions, FSDPTrainerEngine
 
-# two ranks on one host: gloo (NCCL refuses two ranks on one GPU)
-GLOO = "gloo"
 # 24 real tokens per rank: a row of 48 split at column 24, through the middle of trajectories
 SP_OPTS = {"lr": 1e-3, "micro_batch_tokens": 24, "sequence_parallel": 2}
 # transformers' own packed attention (a block-diagonal mask from the restarting position ids)
@@ -32,7 +30,8 @@ def _run(rank: int, world: int, port: int, model_dir: str, opts: dict) -> dict:
     cfg = config(model_dir, "algorithm.loss_agg=seq_mean_token_mean")
 
     async def main() -> dict:
-        eng = FSDPTrainerEngine(cfg, FSDPOptions(**opts, backend=GLOO))
+        # two ranks on one host: gloo, also where a GPU is (NCCL refuses two ranks on one GPU)
+        eng = FSDPTrainerEngine(cfg, FSDPOptions(**opts, backend="gloo"))
         ctx = TrainerContext(
             rank, world, eng.opt, cfg.algorithm, {"init_method": f"tcp://127.0.0.1:{port}"}
         )
