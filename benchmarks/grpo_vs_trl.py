@@ -447,33 +447,13 @@ class _Cpu:
         return ", ".join(f"{n} {c:.0f} s" for n, c in used if c >= 0.5) or "none"
 
 
-def run_arm(arm: str, seed: int, model_dir: Path, work: Path, a: argparse.Namespace) -> dict:
-    """Run one arm to completion (or to ``--arm-cap``); rows with their arrival times."""
-    cmd, env, name = _cmd(arm, seed, model_dir, work, a)
-    cpu = _Cpu()
-    log_path = work / f"{name}.log"
-    run_dir: list[Path] = []
-    t0 = time.monotonic()
-    proc = subprocess.Popen(
-        cmd,
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
+def _follow(
+    proc: subprocess.Popen, cpu: _Cpu, run_dir: list[Path], name: str, t0: float, cap_s: float
+) -> tuple[list[dict], bool]:
+    """Sample the arm's CPU and read its metrics rows until it exits (stopped at ``cap_s``).
 
-    def pump() -> None:
-        with log_path.open("w") as log:
-            for line in proc.stdout:  # type: ignore[union-attr]
-                log.write(line)
-                log.flush()
-                if line.startswith("run directory:") and not run_dir:
-                    run_dir.append(ROOT / line.split(":", 1)[1].strip())
-
-    reader = threading.Thread(target=pump, daemon=True)
-    reader.start()
+    Returns the rows with their arrival times and whether the cap stopped it.
+    """
     rows: list[dict] = []
     capped = False
     buf = ""
@@ -503,18 +483,61 @@ def run_arm(arm: str, seed: int, model_dir: Path, work: Path, a: argparse.Namesp
                     )
         if done:
             break
-        if time.monotonic() - t0 > a.arm_cap and not capped:
+        if time.monotonic() - t0 > cap_s and not capped:
             capped = True
-            say(f"    {name}: wall cap {a.arm_cap:.0f} s reached, stopping it (SIGINT)")
-            os.killpg(proc.pid, signal.SIGINT)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+            say(f"    {name}: wall cap {cap_s:.0f} s reached, stopping it (SIGINT)")
+            _stop(proc)
         time.sleep(0.2)
-    reader.join(5)
     if fh is not None:
         fh.close()
+    return rows, capped
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """Stop an arm's session as a user's Ctrl-C would (the run shuts down cleanly), then kill."""
+    os.killpg(proc.pid, signal.SIGINT)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def run_arm(arm: str, seed: int, model_dir: Path, work: Path, a: argparse.Namespace) -> dict:
+    """Run one arm to completion (or to ``--arm-cap``); rows with their arrival times."""
+    cmd, env, name = _cmd(arm, seed, model_dir, work, a)
+    cpu = _Cpu()
+    log_path = work / f"{name}.log"
+    run_dir: list[Path] = []
+    t0 = time.monotonic()
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+
+    def pump() -> None:
+        with log_path.open("w") as log:
+            for line in proc.stdout:  # type: ignore[union-attr]
+                log.write(line)
+                log.flush()
+                if line.startswith("run directory:") and not run_dir:
+                    run_dir.append(ROOT / line.split(":", 1)[1].strip())
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    try:
+        rows, capped = _follow(proc, cpu, run_dir, name, t0, a.arm_cap)
+    finally:
+        # the arm runs in a session of its own, so a Ctrl-C or SIGTERM meant for this script
+        # never reaches it: stop it here, or its Ray cluster and /dev/shm files outlive us
+        if proc.poll() is None:
+            _stop(proc)
+    reader.join(5)
     total = time.monotonic() - t0
     if cpu.total() > 0.05 * total:
         say(
@@ -864,6 +887,8 @@ def main() -> None:
     if a.trl_worker:
         trl_worker(a)
         return
+    # SIGTERM unwinds like Ctrl-C, so the running arm is stopped too (run_arm's finally)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     arms = [x for x in a.arms.split(",") if x]
     if unknown := set(arms) - set(ARMS) - set(OPTIONAL_ARMS):
         sys.exit(f"--arms: unknown {sorted(unknown)}; known: {', '.join(ARMS + OPTIONAL_ARMS)}")
