@@ -345,3 +345,62 @@ def test_unknown_runtime_kind_is_named_with_a_close_match() -> None:
 
 def test_negative_runtime_resources_are_refused() -> None:
     assert "runtime.cpus_per_replica must be >= 0" in err(["runtime.cpus_per_replica=-1"])
+
+
+def test_core_lists_are_parsed_and_bad_ones_are_named() -> None:
+    from laminar_core.config.checks import parse_cores
+
+    assert parse_cores("0-2,5") == {0, 1, 2, 5} and parse_cores(" 3 ") == {3}
+    ok = load_config(
+        None, ["runtime.kind=ray", "runtime.trainer_cores=0", "runtime.replica_cores=1-3"]
+    )
+    assert (ok.cfg.runtime.trainer_cores, ok.cfg.runtime.replica_cores) == ("0", "1-3")
+    msg = err(["runtime.kind=ray", "runtime.replica_cores=1-0"])
+    assert "runtime.replica_cores" in msg and "runs backwards" in msg
+    msg = err(["runtime.kind=ray", "runtime.trainer_cores=0;1"])
+    assert "runtime.trainer_cores" in msg and "'0,2,4-7'" in msg
+    # the local runtime runs everything in the driver: there is nothing to place
+    msg = err(["runtime.trainer_cores=0"])
+    assert "needs runtime.kind: ray" in msg
+
+
+def test_pinning_moves_running_threads_and_what_starts_later(tmp_path) -> None:
+    """In a process of its own (pinning this one would pin the rest of the test session): a
+    thread that was already running, one started after, and a child process all end up on
+    the chosen core."""
+    import os
+    import subprocess
+    import sys
+
+    core = min(os.sched_getaffinity(0))
+    script = f"""
+import os, subprocess, sys, threading
+from laminar_core.runtime.ray_calls import pin_cores
+stop = threading.Event()
+before = threading.Thread(target=stop.wait); before.start()
+pin_cores("{core}", "runtime.trainer_cores")
+after = threading.Thread(target=stop.wait); after.start()
+child = subprocess.run([sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"],
+                       capture_output=True, text=True).stdout.strip()
+print(sorted(os.sched_getaffinity(before.native_id)), sorted(os.sched_getaffinity(after.native_id)),
+      sorted(os.sched_getaffinity(0)), child)
+stop.set()
+"""
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True
+    ).stdout.split()
+    assert out == [f"[{core}]"] * 4, out
+
+
+def test_pinning_to_a_core_the_node_lacks_names_the_cores_it_has() -> None:
+    import os
+
+    from laminar_core.runtime.ray_calls import pin_cores
+
+    allowed = os.sched_getaffinity(0)
+    with pytest.raises(RuntimeError) as info:
+        pin_cores(f"0,{max(allowed) + 1}", "runtime.replica_cores")
+    msg = str(info.value)
+    assert "runtime.replica_cores" in msg and f"[{max(allowed) + 1}]" in msg
+    assert "may use" in msg and "leave the key empty" in msg
+    assert os.sched_getaffinity(0) == allowed  # nothing was pinned

@@ -8,7 +8,8 @@ the replicas load it from there.
 One run of a few steps is inspected for the loop's promises (versions advance, replicas pull
 while the other keeps generating, weights reach replicas through the relay's shared memory,
 repack moves trajectories between real replicas and they finish, vLLM's log-probs agree with
-the trainer's recompute, nothing lost or duplicated); then its actors are killed without a
+the trainer's recompute, nothing lost or duplicated, the trainer and the replicas on the cores
+``runtime.*_cores`` gave them); then its actors are killed without a
 goodbye and a new run resumes from the step-2 checkpoint.
 
 Needs laminar-fsdp and laminar-vllm (scripts/install.sh installs both); without them the
@@ -77,14 +78,33 @@ def _kill_actors(run) -> None:
 def first_run(ray_cluster, tmp_path_factory):
     model = build_tiny_model(tmp_path_factory.mktemp("model") / "tiny", seed=0)
     out = tmp_path_factory.mktemp("runs")
-    resolved = _config(model, out, "run.steps=3", "run.dump_rollouts=true")
+    # the trainer ranks on the first core, the replicas on the last (one core: the same)
+    cores = sorted(os.sched_getaffinity(0))
+    resolved = _config(
+        model,
+        out,
+        "run.steps=3",
+        "run.dump_rollouts=true",
+        f"runtime.trainer_cores={cores[0]}",
+        f"runtime.replica_cores={cores[-1]}",
+    )
 
-    def gc_state(actor) -> tuple[str, bool, int]:
-        """(the actor's class, cyclic GC on, objects frozen), run inside the actor (a local
-        function: Ray ships it by value, the actors cannot import this test module)."""
+    def gc_state(actor) -> tuple[str, bool, int, list[list[int]]]:
+        """(the actor's class, cyclic GC on, objects frozen, the cores of each of its
+        threads and of its process's children), run inside the actor (a local function: Ray
+        ships it by value, the actors cannot import this test module)."""
+        import contextlib
         import gc
+        import os
+        from pathlib import Path
 
-        return type(actor).__name__, gc.isenabled(), gc.get_freeze_count()
+        cores = []
+        for task in Path("/proc/self/task").iterdir():
+            with contextlib.suppress(OSError):  # a thread or a child that ended meanwhile
+                kids = (task / "children").read_text().split()
+                for pid in [int(task.name), *map(int, kids)]:
+                    cores.append(sorted(os.sched_getaffinity(pid)))
+        return type(actor).__name__, gc.isenabled(), gc.get_freeze_count(), cores
 
     async def go():
         run_dir = make_run_dir(resolved)
@@ -128,9 +148,21 @@ def test_every_actor_collects_garbage_again_after_its_start_up(first_run):
         "TrainerHost",
         "TrainerHost",
     ], gc_states
-    for kind, enabled, frozen in gc_states:
+    for kind, enabled, frozen, _ in gc_states:
         assert enabled, f"{kind}: the cyclic GC is still off after start-up"
         assert frozen > 100_000, f"{kind}: start-up heap not frozen ({frozen} objects)"
+
+
+def test_trainer_ranks_and_replicas_run_on_the_cores_they_were_given(first_run):
+    """``runtime.trainer_cores`` / ``replica_cores``: every thread of each actor (Ray's and
+    the engine's, started before the pinning or after) and each process it started is on its
+    part's cores; the relay actor, not named, is left to the OS."""
+    *_, gc_states = first_run
+    cores = sorted(os.sched_getaffinity(0))
+    want = {"TrainerHost": [cores[0]], "RolloutHost": [cores[-1]], "RelayActor": cores}
+    for kind, _, _, threads in gc_states:
+        assert len(threads) > 3, f"{kind}: expected Ray's threads and the engine's: {threads}"
+        assert all(t == want[kind] for t in threads), f"{kind}: {threads}"
 
 
 def test_each_replica_pulls_while_the_other_generates(first_run):

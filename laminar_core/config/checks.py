@@ -125,6 +125,42 @@ def _runtime(cfg: LaminarConfig) -> None:
             raise ConfigError(f"{key} must be >= 0 (got {value})")
     if not rt.start_timeout_s > 0:
         raise ConfigError(f"runtime.start_timeout_s must be > 0 (got {rt.start_timeout_s})")
+    for key, text in [
+        ("runtime.trainer_cores", rt.trainer_cores),
+        ("runtime.replica_cores", rt.replica_cores),
+    ]:
+        if not text:
+            continue
+        if rt.kind != "ray":
+            raise ConfigError(
+                f"{key} places actors on cores: it needs runtime.kind: ray (got "
+                f"'{rt.kind}', where everything runs in the driver's process)"
+            )
+        try:
+            parse_cores(text)
+        except ValueError as e:
+            raise ConfigError(f"{key}: {e}") from None
+
+
+def parse_cores(text: str) -> frozenset[int]:
+    """The cores of a Linux CPU list (``"0-3,8"``, as ``taskset -c`` takes it).
+
+    Raises ``ValueError`` naming the bad part.
+    """
+    cores: set[int] = set()
+    for part in str(text).split(","):
+        part = part.strip()
+        lo, sep, hi = part.partition("-")
+        if not (lo.isdigit() and (hi.isdigit() if sep else not hi)):
+            raise ValueError(
+                f"'{part}' in '{text}' is not a core or a range of cores: write a CPU list "
+                "such as '0', '0-3' or '0,2,4-7'"
+            )
+        first, last = int(lo), int(hi) if sep else int(lo)
+        if last < first:
+            raise ValueError(f"'{part}' in '{text}': the range runs backwards")
+        cores.update(range(first, last + 1))
+    return frozenset(cores)
 
 
 STALE_POLICIES = ("drop", "wait")

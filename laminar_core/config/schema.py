@@ -200,8 +200,8 @@ class RuntimeConfig:
     ``ray``: trainer ranks and rollout replicas are Ray actors placed with a placement group;
     ``address`` empty starts a local cluster, ``auto`` or ``ray://host:port`` joins one.
     How many ranks and replicas, and the GPUs of each, is ``cluster.*``; what is here is how
-    they are hosted: the device kind (``auto``: GPUs when the Ray cluster has any) and the
-    CPUs reserved per actor.
+    they are hosted: the device kind (``auto``: GPUs when the Ray cluster has any), the
+    CPUs reserved per actor and, optionally, the cores each part may run on.
     """
 
     kind: str = "local"
@@ -215,6 +215,12 @@ class RuntimeConfig:
     cpus_per_replica: float = 1.0
     placement_strategy: str = "PACK"
     start_timeout_s: float = 300.0  # per actor: loading a model, starting an engine
+    # Cores (Linux CPU lists, "0-3,8") for the trainer ranks' and the replicas' processes, and
+    # every thread and process they start, on each node; empty: the OS schedules them on any
+    # core. Disjoint lists give the trainer and the rollout cores of their own, as separate
+    # GPUs would: without them a CPU-only run time-shares every core between the two.
+    trainer_cores: str = ""
+    replica_cores: str = ""
 
 
 @dataclass

@@ -17,7 +17,12 @@ import torch
 from laminar_core.interfaces import BuildContext, TensorWeights, TrainerContext, build
 from laminar_core.plugins import default_manager
 from laminar_core.plugins.resolve import resolve
-from laminar_core.runtime.ray_calls import detach_resource_tracker, limit_threads, log_to
+from laminar_core.runtime.ray_calls import (
+    detach_resource_tracker,
+    limit_threads,
+    log_to,
+    pin_cores,
+)
 from laminar_core.runtime.startup_gc import hold_gc, release_gc
 
 
@@ -26,6 +31,11 @@ def _engine(config_yaml: str, kind: str, index: int, name: str, gpus: int) -> An
 
     resolved = resolve(yaml.safe_load(config_yaml), source="driver")
     cfg = resolved.cfg
+    # before the engine starts threads and processes: they inherit the cores
+    if kind == "rollout":
+        pin_cores(cfg.runtime.replica_cores, "runtime.replica_cores")
+    else:
+        pin_cores(cfg.runtime.trainer_cores, "runtime.trainer_cores")
     engine_name = cfg.rollout.engine if kind == "rollout" else cfg.trainer.engine
     factory = default_manager().get(kind, engine_name)
     # one engine per actor: the process is the engine's own

@@ -9,6 +9,7 @@ registered with multiprocessing outlive the actor's process group, so it is clea
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
@@ -38,6 +39,47 @@ def limit_threads() -> None:
 
     n = int(os.environ.get("OMP_NUM_THREADS", "1") or 1)
     torch.set_num_threads(max(1, n))
+
+
+def pin_cores(text: str, key: str) -> frozenset[int] | None:
+    """Keep this process, every thread it has and every thread and process it starts on the
+    cores of CPU list ``text`` (``runtime.trainer_cores`` / ``replica_cores``, named by
+    ``key`` in errors). Empty: leave the OS's choice. Returns the cores, or ``None``.
+
+    Raises ``RuntimeError`` where a core is not one this process may run on (not on this
+    node, or outside its container's allowance), naming the cores it may use.
+    """
+    if not text:
+        return None
+    from laminar_core.config.checks import parse_cores
+
+    cores = parse_cores(text)
+    allowed = os.sched_getaffinity(0)
+    if missing := cores - allowed:
+        import socket
+
+        raise RuntimeError(
+            f"{key}: '{text}' names cores {sorted(missing)} that {socket.gethostname()} does "
+            f"not give this process (it may use {_cpu_list(allowed)}); choose cores from "
+            "those, or leave the key empty"
+        )
+    # sched_setaffinity(0) is the calling thread only: Ray's, gRPC's and any pool's threads
+    # already running must follow, and new ones inherit from the thread that starts them
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+            os.sched_setaffinity(int(tid), cores)
+    return cores
+
+
+def _cpu_list(cores: set[int] | frozenset[int]) -> str:
+    """``{0, 1, 2, 5}`` -> ``"0-2,5"``."""
+    runs: list[list[int]] = []
+    for c in sorted(cores):
+        if runs and c == runs[-1][1] + 1:
+            runs[-1][1] = c
+        else:
+            runs.append([c, c])
+    return ",".join(f"{a}-{b}" if b > a else f"{a}" for a, b in runs)
 
 
 def log_to(path: str | None) -> None:
