@@ -59,9 +59,9 @@ def pin_cores(text: str, key: str) -> frozenset[int] | None:
         import socket
 
         raise RuntimeError(
-            f"{key}: '{text}' names cores {sorted(missing)} that {socket.gethostname()} does "
-            f"not give this process (it may use {_cpu_list(allowed)}); choose cores from "
-            "those, or leave the key empty"
+            f"{key}: '{text}' names cores {sorted(missing)} that this process may not use "
+            f"on node {socket.gethostname()} (it may use {_cpu_list(allowed)}); choose cores "
+            "from those, or leave the key empty"
         )
     # sched_setaffinity(0) is the calling thread only: Ray's, gRPC's and any pool's threads
     # already running must follow, and new ones inherit from the thread that starts them
