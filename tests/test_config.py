@@ -364,7 +364,7 @@ def test_core_lists_are_parsed_and_bad_ones_are_named() -> None:
     assert "needs runtime.kind: ray" in msg
 
 
-def test_pinning_moves_running_threads_and_what_starts_later(tmp_path) -> None:
+def test_pinning_moves_running_threads_and_what_starts_later() -> None:
     """In a process of its own (pinning this one would pin the rest of the test session): a
     thread that was already running, one started after, and a child process all end up on
     the chosen core."""

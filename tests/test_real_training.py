@@ -89,7 +89,7 @@ def first_run(ray_cluster, tmp_path_factory):
         f"runtime.replica_cores={cores[-1]}",
     )
 
-    def gc_state(actor) -> tuple[str, bool, int, list[list[int]]]:
+    def actor_state(actor) -> tuple[str, bool, int, list[list[int]]]:
         """(the actor's class, cyclic GC on, objects frozen, the cores of each of its
         threads and of its process's children), run inside the actor (a local function: Ray
         ships it by value, the actors cannot import this test module)."""
@@ -110,14 +110,14 @@ def first_run(ray_cluster, tmp_path_factory):
         run_dir = make_run_dir(resolved)
         run = await start_run(resolved, run_dir)
         # (vLLM's shutdown at the run's end unfreezes its heap again: look before that)
-        gc_states = [ray.get(a.__ray_call__.remote(gc_state)) for a in run.runtime.actors]
+        states = [ray.get(a.__ray_call__.remote(actor_state)) for a in run.runtime.actors]
         run.controller.keep_batches = True
         await run.controller.run(3)
         _kill_actors(run)
-        return run, run_dir, gc_states
+        return run, run_dir, states
 
-    run, run_dir, gc_states = asyncio.run(go())
-    return model, out, run, run_dir, gc_states
+    run, run_dir, states = asyncio.run(go())
+    return model, out, run, run_dir, states
 
 
 def _rows(run_dir: Path) -> list[dict]:
@@ -140,15 +140,15 @@ def test_versions_advance_and_results_are_written(first_run):
 def test_every_actor_collects_garbage_again_after_its_start_up(first_run):
     """Start-up runs with the cyclic GC held (``runtime.startup_gc``): once a trainer rank,
     replica or relay is up, its start-up heap is frozen and collection is back on."""
-    *_, gc_states = first_run
-    assert sorted(kind for kind, *_ in gc_states) == [
+    *_, states = first_run
+    assert sorted(kind for kind, *_ in states) == [
         "RelayActor",
         "RolloutHost",
         "RolloutHost",
         "TrainerHost",
         "TrainerHost",
-    ], gc_states
-    for kind, enabled, frozen, _ in gc_states:
+    ], states
+    for kind, enabled, frozen, _ in states:
         assert enabled, f"{kind}: the cyclic GC is still off after start-up"
         assert frozen > 100_000, f"{kind}: start-up heap not frozen ({frozen} objects)"
 
@@ -157,10 +157,10 @@ def test_trainer_ranks_and_replicas_run_on_the_cores_they_were_given(first_run):
     """``runtime.trainer_cores`` / ``replica_cores``: every thread of each actor (Ray's and
     the engine's, started before the pinning or after) and each process it started is on its
     part's cores; the relay actor, not named, is left to the OS."""
-    *_, gc_states = first_run
+    *_, states = first_run
     cores = sorted(os.sched_getaffinity(0))
     want = {"TrainerHost": [cores[0]], "RolloutHost": [cores[-1]], "RelayActor": cores}
-    for kind, _, _, threads in gc_states:
+    for kind, _, _, threads in states:
         assert len(threads) > 3, f"{kind}: expected Ray's threads and the engine's: {threads}"
         assert all(t == want[kind] for t in threads), f"{kind}: {threads}"
 
