@@ -107,6 +107,12 @@ class Trajectory:
         """``loss_mask``, or all 1 when the trajectory has none (a single-turn sample)."""
         return list(self.loss_mask) if self.loss_mask else [1] * len(self.response_ids)
 
+    def generated_only_by(self, version: int) -> bool:
+        """Whether weight version ``version`` generated every token (no other version
+        contributed): the trajectories whose rollout log-probs a trainer holding
+        ``version`` must reproduce."""
+        return self.version == version and self.versions in ([], [version])
+
 
 @dataclass(slots=True)
 class EngineStats:

@@ -504,3 +504,13 @@ def test_logprob_agreement_counts_only_the_marked_rows_masked_tokens():
     add_logprob_agreement(acc, lp, beh, mask, [False, False])  # nothing marked: unchanged
     add_logprob_agreement(acc, lp, beh, mask, [False, True])
     assert acc.tolist() == pytest.approx([3.0, 9.5, 5.0])
+
+
+def test_a_trajectory_generated_only_by_a_version():
+    """The rows an engine's log-prob gap counts: every token from the version it holds."""
+    from laminar_core import Trajectory
+
+    assert Trajectory("a", "g", 3).generated_only_by(3)  # no versions list: one version
+    assert Trajectory("a", "g", 3, versions=[3]).generated_only_by(3)
+    assert not Trajectory("a", "g", 3).generated_only_by(4)
+    assert not Trajectory("a", "g", 3, versions=[3, 4]).generated_only_by(3)  # resumed on 4

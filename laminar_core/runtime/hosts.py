@@ -32,10 +32,8 @@ def _engine(config_yaml: str, kind: str, index: int, name: str, gpus: int) -> An
     resolved = resolve(yaml.safe_load(config_yaml), source="driver")
     cfg = resolved.cfg
     # before the engine starts threads and processes: they inherit the cores
-    if kind == "rollout":
-        pin_cores(cfg.runtime.replica_cores, "runtime.replica_cores")
-    else:
-        pin_cores(cfg.runtime.trainer_cores, "runtime.trainer_cores")
+    cores = "replica_cores" if kind == "rollout" else "trainer_cores"
+    pin_cores(getattr(cfg.runtime, cores), f"runtime.{cores}")
     engine_name = cfg.rollout.engine if kind == "rollout" else cfg.trainer.engine
     factory = default_manager().get(kind, engine_name)
     # one engine per actor: the process is the engine's own

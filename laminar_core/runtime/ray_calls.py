@@ -14,6 +14,8 @@ import os
 
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
 
+from laminar_core.config.checks import parse_cores
+
 ACTOR_GONE = (ActorDiedError, ActorUnavailableError, RayActorError)
 
 __all__ = [
@@ -51,8 +53,6 @@ def pin_cores(text: str, key: str) -> frozenset[int] | None:
     """
     if not text:
         return None
-    from laminar_core.config.checks import parse_cores
-
     cores = parse_cores(text)
     allowed = os.sched_getaffinity(0)
     if missing := cores - allowed:
