@@ -7,7 +7,9 @@ stderr that names the problem, and exit status 2.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
+import typing
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -58,6 +60,10 @@ def _parser() -> argparse.ArgumentParser:
     show = csub.add_parser("show", help="print the resolved config")
     show.add_argument("config")
     show.add_argument("overrides", nargs="*")
+    ref = csub.add_parser(
+        "reference", help="every config key with its type, default and meaning (docs/config.md)"
+    )
+    ref.add_argument("--out", help="write it here (default: stdout)")
     sub.add_parser("plugins", help="list every discovered engine, transport, policy, schedule")
     rep = sub.add_parser(
         "report", help="plots and an index.html from a run directory (or a simulate --trace dir)"
@@ -244,6 +250,50 @@ def _console_logging() -> None:
         logging.getLogger(noisy).setLevel(logging.ERROR)
 
 
+def config_reference() -> str:
+    """``docs/config.md``: core's sections, then each installed plugin's own options."""
+    from laminar_core.config import reference
+    from laminar_core.config.schema import ENGINE_SECTIONS, LaminarConfig
+
+    hints = typing.get_type_hints(LaminarConfig)
+    sections = [
+        ("run-level keys", _TopLevel, "", "Keys at the top of the config file."),
+        *(
+            (f"`{f.name}`", hints[f.name], f.name, "")
+            for f in dataclasses.fields(LaminarConfig)
+            if dataclasses.is_dataclass(hints[f.name])
+        ),
+    ]
+    pm = default_manager()
+    where = {kind: f"{sec}.NAME" for sec, (_, kind) in ENGINE_SECTIONS.items()}
+    where.update(env="env.options", task="data.task_options")
+    for kind, prefix in where.items():
+        for name in pm.names(kind):
+            options = getattr(pm.get(kind, name), "Options", None)
+            if options is None or not dataclasses.is_dataclass(options):
+                continue
+            path = prefix.replace("NAME", name)
+            sections.append((f"`{path}` ({kind} `{name}`)", options, path, ""))
+    return reference.render(sections)
+
+
+@dataclasses.dataclass
+class _TopLevel:
+    """Keys at the top of the config file."""
+
+    # the schedule: sync | one_step | stale:K[+partial] | laminar (docs/schedules.md)
+    schedule: str = "laminar"
+
+
+def _config_reference(args: argparse.Namespace) -> int:
+    text = config_reference()
+    if args.out:
+        Path(args.out).write_text(text)
+    else:
+        print(text, end="")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.cmd == "train" and not getattr(args, "verbose", False):
@@ -252,6 +302,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "plugins":
             print(default_manager().format_table())
             return 0
+        if args.cmd == "config" and args.config_cmd == "reference":
+            return _config_reference(args)
         if args.cmd == "config":
             print(load_config(args.config, args.overrides).to_yaml(), end="")
             return 0
