@@ -63,7 +63,7 @@ def render(parts: dict[str, Any], src: Path) -> str:
             "",
             "`python benchmarks/fidelity.py`. Published figures and their sources are in "
             "`benchmarks/published.py`; where the Laminar paper's evaluation section could not "
-            "be read from this machine, its figures are quoted as `../shared/DESIGN.md` states "
+            "be read from this machine, its figures are quoted as `docs/design.md` states "
             "them or as a public reading note of the paper reports them (marked so). "
             "'ours / published' above 1 means the simulator shows more than was measured.",
             "",

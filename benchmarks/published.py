@@ -2,7 +2,7 @@
 
 Only numbers a public source states are here. The Laminar paper's evaluation section could
 not be read from this machine: its figures are quoted as the project's design summary
-(``../shared/DESIGN.md``) states them, or as a public reading note of the paper reports them
+(``docs/design.md``) states them, or as a public reading note of the paper reports them
 (marked "reading note"); its abstract was read directly. Where no published figure exists
 for a comparison, the fidelity report says "none found".
 """
