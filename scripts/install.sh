@@ -8,6 +8,9 @@
 # without the machine's site-packages). Activate it afterwards: `. .venv/bin/activate`.
 # How: uv installs the lock as it is (`uv pip sync`: nothing resolved at install time, nothing
 # else left in the environment), then the project's packages editable, without dependencies.
+# Bytecode is compiled at install (pip does it, uv only when asked): python_sandbox mounts the
+# installation read-only, so without .pyc files every sandboxed `import sympy` compiles it
+# again, past a 1 s CPU limit; every process's first imports would pay for it too.
 # Every check that can fail runs before anything is installed; a failure is one line naming
 # what is wrong and the fix. The lock and its decisions: requirements/, docs/install.md.
 # On a GPU machine: docs/install.md (requirements/gpu-vllm.lock or gpu-sglang.lock).
@@ -74,7 +77,7 @@ vpy=$venv/bin/python
 uv=("$venv/bin/uv" pip)
 export UV_PYTHON_DOWNLOADS=never VIRTUAL_ENV=$venv
 # shellcheck disable=SC2046
-"${uv[@]}" sync --python "$vpy" $(torch_sources) requirements/cpu.lock
+"${uv[@]}" sync --python "$vpy" --compile-bytecode $(torch_sources) requirements/cpu.lock
 "${uv[@]}" install --python "$vpy" --no-deps -e . -e plugins/fsdp -e plugins/vllm \
   -e plugins/sglang -e plugins/nccl -e plugins/rdma -e plugins/megatron -e plugins/sandbox
 # every engine imports: a dependency the lock missed fails here, not in a user's first run
