@@ -37,12 +37,12 @@ from laminar_core.interfaces import (
 )
 from laminar_core.models import build_tiny_model, model_dir
 from laminar_core.plugins import hookimpl
-from laminar_core.plugins.resolve import load_config
 from laminar_core.relay import WeightIntegrityError, unpack
 from laminar_core.relay.packing import checksum as bucket_checksum
 from laminar_core.relay.shm import load_shared
 from laminar_core.relay.wire import HEADER_BYTES as BUCKET_HEADER_BYTES
 from laminar_core.relay.wire import decode_bucket_header, encode_bucket_header
+from laminar_core.runtime.resolve import load_config
 from laminar_core.tasks import DataError, DataReport, RewardError, build_prompts, build_reward
 from laminar_core.types import (
     Bucket,

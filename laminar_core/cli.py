@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from laminar_core import ConfigError, load_config
 from laminar_core.plugins import PluginResolveError, UnknownPluginError, default_manager
-from laminar_core.plugins.resolve import schedule_of
+from laminar_core.runtime.resolve import schedule_of
 from laminar_core.runtime.train import TrainError
 from laminar_core.sim.lengths import LengthFileError
 

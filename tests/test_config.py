@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from laminar_core import ConfigError, LaminarConfig, load_config
-from laminar_core.plugins.resolve import resolve, schedule_of
+from laminar_core.runtime.resolve import resolve, schedule_of
 from laminar_core.sim.config import SimRolloutConfig
 
 # A study list without any stale:K schedule, so partial_rollout cannot be "used" by a study.

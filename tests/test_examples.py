@@ -8,8 +8,8 @@ import pytest
 
 from laminar_core import load_config
 from laminar_core.plugins import default_manager
-from laminar_core.plugins.resolve import schedule_of
 from laminar_core.runtime.placement import plan_placement
+from laminar_core.runtime.resolve import schedule_of
 from laminar_core.sim.study import sweep_points
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"

@@ -459,7 +459,7 @@ class _DuckTrainer:
 
 def _resolve_with(kind: str, name: str, factory: object, *overrides: str):  # type: ignore[no-untyped-def]
     from laminar_core.plugins import builtins
-    from laminar_core.plugins.resolve import load_config
+    from laminar_core.runtime.resolve import load_config
 
     pm = PluginManager()
     pm.register(builtins, name="core")
@@ -498,7 +498,7 @@ def test_the_shipped_engines_implement_their_interfaces() -> None:
         laminar_transports,
     )
     from laminar_core.plugins.manager import import_spec
-    from laminar_core.plugins.resolve import INTERFACES, missing_methods
+    from laminar_core.runtime.resolve import INTERFACES, missing_methods
 
     targets = {
         "trainer": [*laminar_trainer_engines().values(), "laminar_fsdp.engine:FSDPTrainerEngine"],

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from laminar_core.interfaces import BuildContext, ModelOnly, ReplicaFailure
-from laminar_core.plugins.resolve import resolve
+from laminar_core.runtime.resolve import resolve
 from laminar_core.sim.clock import SimulationDeadlock, run_virtual
 from laminar_core.sim.config import FailureSpec, SimRolloutConfig
 from laminar_core.sim.lengths import LengthFileError, LengthModel, read_histogram

@@ -1,7 +1,7 @@
 """Value checks that need only the schema: ranges, known kinds, consistency across sections.
 
 ``check_values`` runs after the types were checked (OmegaConf) and before engine names are
-resolved against the plugins (``plugins.resolve``). Each failure is a one-line
+resolved against the plugins (``runtime.resolve``). Each failure is a one-line
 ``ConfigError`` naming the key.
 """
 

@@ -3,7 +3,7 @@
 Parsing only: YAML files (with ``include:``), ``key=value`` overrides, unknown and renamed
 keys, types (OmegaConf) and value checks that need nothing but the schema
 (``config.checks``). Resolving engine names and their options against the installed
-plugins is ``plugins.resolve``, which produces the ``ResolvedConfig`` defined here.
+plugins is ``runtime.resolve``, which produces the ``ResolvedConfig`` defined here.
 
 Every error is a ``ConfigError`` whose one-line message names the full key path, the bad
 value and, where there is one, a close match or the list of known alternatives.
@@ -32,7 +32,7 @@ class ConfigError(ValueError):
 @dataclass
 class ResolvedConfig:
     """A validated config: the dataclass tree plus the chosen engines' validated options
-    (``plugins.resolve.resolve`` makes one)."""
+    (``runtime.resolve.resolve`` makes one)."""
 
     cfg: LaminarConfig
     engine_options: dict[str, Any] = field(default_factory=dict)  # section -> Options | None

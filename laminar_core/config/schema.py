@@ -4,7 +4,7 @@ Engine choice is a string (``rollout.engine=sim``); the engine's own options liv
 key named after it (``rollout.sim: {...}``) and are validated by the plugin's ``Options``.
 This module is the schema only: it imports nothing else of Laminar's, so any part may read
 it. Parsing is ``config.loader``; resolving engine names and options against the installed
-plugins is ``plugins.resolve``.
+plugins is ``runtime.resolve``.
 """
 
 from __future__ import annotations

@@ -16,13 +16,13 @@ import torch
 
 from laminar_core.interfaces import BuildContext, TensorWeights, TrainerContext, build
 from laminar_core.plugins import default_manager
-from laminar_core.plugins.resolve import resolve
 from laminar_core.runtime.ray_calls import (
     detach_resource_tracker,
     limit_threads,
     log_to,
     pin_cores,
 )
+from laminar_core.runtime.resolve import resolve
 from laminar_core.runtime.startup_gc import hold_gc, release_gc
 
 

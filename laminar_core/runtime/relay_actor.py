@@ -19,7 +19,6 @@ from typing import Any
 
 from laminar_core.interfaces import BuildContext, build
 from laminar_core.plugins import default_manager
-from laminar_core.plugins.resolve import resolve
 from laminar_core.relay.protocol import RelayDied
 from laminar_core.relay.remote import RemoteRelay
 from laminar_core.relay.server import RelayServer
@@ -30,6 +29,7 @@ from laminar_core.runtime.ray_calls import (
     limit_threads,
     log_to,
 )
+from laminar_core.runtime.resolve import resolve
 from laminar_core.runtime.startup_gc import startup_gc
 
 log = logging.getLogger(__name__)

@@ -20,9 +20,9 @@ from laminar_core.loop.episodes import Episodes
 from laminar_core.loop.manager import ManagerOptions, ReplicaSlot, RewardFn, RolloutManager
 from laminar_core.loop.schedules import Schedule
 from laminar_core.plugins import PluginManager, default_manager
-from laminar_core.plugins.resolve import make_schedule
 from laminar_core.relay.node import NodeRelay
 from laminar_core.runtime.placement import Placement, plan_placement
+from laminar_core.runtime.resolve import make_schedule
 from laminar_core.runtime.run import Run, Runtime, Started
 from laminar_core.tasks import build_prompts
 from laminar_core.telemetry import ROLLOUTS_FILE, EventLog, MetricsWriter, RolloutDump

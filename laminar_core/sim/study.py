@@ -26,8 +26,8 @@ from laminar_core.config.loader import ResolvedConfig, apply_overrides
 from laminar_core.loop.dispatch import make_dispatch
 from laminar_core.loop.schedules import split_schedule_name
 from laminar_core.plugins import PluginManager, default_manager
-from laminar_core.plugins.resolve import resolve
 from laminar_core.runtime import Run, build_local_run
+from laminar_core.runtime.resolve import resolve
 from laminar_core.sim.clock import run_virtual
 
 RESULT_KEYS = (

@@ -128,7 +128,7 @@ def engine_from_config(
     A bad option or a missing method raises ``ConfigError`` with the line a user would see.
     """
     from laminar_core.plugins import PluginManager, builtins, hookimpl
-    from laminar_core.plugins.resolve import resolve
+    from laminar_core.runtime.resolve import resolve
 
     class _UnderTest:
         @hookimpl

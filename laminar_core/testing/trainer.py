@@ -242,7 +242,7 @@ def _rank_process(spec: _Spec, rank: int, world: int, init: str, results: Any) -
 
 
 def _config(spec: _Spec) -> Any:
-    from laminar_core.plugins.resolve import load_config
+    from laminar_core.runtime.resolve import load_config
 
     base = [
         f"model.path={spec.model_dir}",
