@@ -15,8 +15,9 @@ import pytest
 
 from laminar_core import ConfigError, load_config
 from laminar_core.buffers.prompts import Prompt
-from laminar_core.loop.evaluation import Evaluation, attach_evaluation, build_eval_prompts
+from laminar_core.loop.evaluation import Evaluation, build_eval_prompts
 from laminar_core.runtime import Run, build_local_run
+from laminar_core.runtime.wiring import attach_evaluation
 from laminar_core.sim.clock import run_virtual
 from laminar_core.tasks import LongTailTask, build_prompts
 

@@ -67,7 +67,6 @@ from laminar_core.types import FinishReason, GenerationRequest, SamplingParams, 
 if TYPE_CHECKING:
     from laminar_core.loop.manager import ReplicaSlot, RolloutManager
     from laminar_core.plugins import PluginManager
-    from laminar_core.runtime.run import Run
     from laminar_core.tasks.build import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -357,32 +356,3 @@ def build_eval_prompts(
     if overlap:
         log.info("eval prompts: skipped %d rows of %s that are training prompts", overlap, where)
     return out
-
-
-def attach_evaluation(run: Run, tokenizer: Tokenizer | None = None) -> Evaluation | None:
-    """Give ``run``'s controller its eval rounds when ``run.eval_every`` asks for them.
-
-    Prompts are tokenised like the training prompts: with ``tokenizer``, else (training
-    prompts with token ids, i.e. real engines) the model's own, loaded from ``model.path``.
-    """
-    cfg = run.resolved.cfg
-    if cfg.run.eval_every == 0:
-        return None
-    train = run.manager.prompts.dataset
-    if tokenizer is None and len(train) and train[0].ids:
-        from transformers import AutoTokenizer
-
-        from laminar_core.models import model_dir
-
-        tokenizer = AutoTokenizer.from_pretrained(str(model_dir(cfg.model.path, "eval")))
-    prompts = build_eval_prompts(run.resolved, tokenizer, train)
-    d = cfg.data
-    greedy = d.eval_temperature == 0
-    sampling = SamplingParams(
-        temperature=d.eval_temperature,
-        top_p=1.0 if greedy else cfg.rollout.top_p,
-        max_tokens=d.eval_max_tokens or cfg.rollout.max_tokens,
-    )
-    evaluation = Evaluation(run.manager, prompts, sampling, cfg.run.eval_every, cfg.run.seed)
-    run.controller.evaluation = evaluation
-    return evaluation

@@ -2,10 +2,10 @@
 
 ``resolve`` resolves a config against the installed plugins (``load_config``); ``run`` holds
 the seam (``Runtime``, ``Run``); ``wiring`` what every runtime shares (``RunSpec``,
-``assemble``); ``local`` runs everything in this process (simulator, tests); ``ray_run``
-places trainer ranks, replicas and node relays as Ray actors (``hosts`` are the actors' code,
-``proxies`` and ``relay_actor`` the driver's handles on them); ``train`` is ``laminar
-train``.
+``assemble``, ``attach_evaluation``); ``local`` runs everything in this process (simulator,
+tests); ``ray_run`` places trainer ranks, replicas and node relays as Ray actors (``hosts`` are
+the actors' code, ``proxies`` and ``relay_actor`` the driver's handles on them); ``train`` is
+``laminar train``.
 """
 
 from laminar_core.runtime.local import LocalRuntime, build_local_run

@@ -26,12 +26,11 @@ from pathlib import Path
 
 from laminar_core.config.loader import ResolvedConfig
 from laminar_core.loop.controller import install_stop_handlers
-from laminar_core.loop.evaluation import attach_evaluation
 from laminar_core.models import model_dir
 from laminar_core.runtime.local import LocalRuntime
 from laminar_core.runtime.run import Run, Runtime
 from laminar_core.runtime.startup_gc import startup_gc
-from laminar_core.runtime.wiring import RunSpec
+from laminar_core.runtime.wiring import RunSpec, attach_evaluation
 from laminar_core.telemetry import TENSORBOARD_DIR, TensorBoardSink
 from laminar_core.telemetry.wandb import WandbSink, wandb_enabled
 

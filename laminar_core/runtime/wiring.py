@@ -2,7 +2,8 @@
 
 ``RunSpec`` is what a run is made from (the config, the schedule, the placement, the plugin
 registry, the run directory); ``assemble`` builds the buffers, the rollout manager and the
-controller around what a runtime started (``runtime.run.Started``) and returns the ``Run``.
+controller around what a runtime started (``runtime.run.Started``) and returns the ``Run``;
+``attach_evaluation`` gives a run's controller its eval rounds (``loop.evaluation``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from laminar_core.envs.build import make_environment
 from laminar_core.interfaces import BuildContext, build
 from laminar_core.loop.controller import Controller, ControllerOptions
 from laminar_core.loop.episodes import Episodes
+from laminar_core.loop.evaluation import Evaluation, build_eval_prompts
 from laminar_core.loop.manager import ManagerOptions, ReplicaSlot, RewardFn, RolloutManager
 from laminar_core.loop.schedules import Schedule
 from laminar_core.plugins import PluginManager, default_manager
@@ -25,6 +27,7 @@ from laminar_core.runtime.placement import Placement, plan_placement
 from laminar_core.runtime.resolve import make_schedule
 from laminar_core.runtime.run import Run, Runtime, Started
 from laminar_core.tasks import build_prompts
+from laminar_core.tasks.build import Tokenizer
 from laminar_core.telemetry import ROLLOUTS_FILE, EventLog, MetricsWriter, RolloutDump
 from laminar_core.types import SamplingParams
 
@@ -197,3 +200,32 @@ def assemble(spec: RunSpec, started: Started, runtime: Runtime) -> Run:
         if started.tier.relays and not isinstance(started.tier.relays[0], NodeRelay):
             manager.restart_relay_fn = restart_relay  # relays hosted apart from the driver
     return run
+
+
+def attach_evaluation(run: Run, tokenizer: Tokenizer | None = None) -> Evaluation | None:
+    """Give ``run``'s controller its eval rounds when ``run.eval_every`` asks for them.
+
+    Prompts are tokenised like the training prompts: with ``tokenizer``, else (training
+    prompts with token ids, i.e. real engines) the model's own, loaded from ``model.path``.
+    """
+    cfg = run.resolved.cfg
+    if cfg.run.eval_every == 0:
+        return None
+    train = run.manager.prompts.dataset
+    if tokenizer is None and len(train) and train[0].ids:
+        from transformers import AutoTokenizer
+
+        from laminar_core.models import model_dir
+
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir(cfg.model.path, "eval")))
+    prompts = build_eval_prompts(run.resolved, tokenizer, train)
+    d = cfg.data
+    greedy = d.eval_temperature == 0
+    sampling = SamplingParams(
+        temperature=d.eval_temperature,
+        top_p=1.0 if greedy else cfg.rollout.top_p,
+        max_tokens=d.eval_max_tokens or cfg.rollout.max_tokens,
+    )
+    evaluation = Evaluation(run.manager, prompts, sampling, cfg.run.eval_every, cfg.run.seed)
+    run.controller.evaluation = evaluation
+    return evaluation
