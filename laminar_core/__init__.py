@@ -35,11 +35,11 @@ from laminar_core.interfaces import (
     iterate_in_thread,
     to_device,
 )
+from laminar_core.interfaces.weights import load_shared
 from laminar_core.models import build_tiny_model, model_dir
 from laminar_core.plugins import hookimpl
 from laminar_core.relay import WeightIntegrityError, unpack
 from laminar_core.relay.packing import checksum as bucket_checksum
-from laminar_core.relay.shm import load_shared
 from laminar_core.relay.wire import HEADER_BYTES as BUCKET_HEADER_BYTES
 from laminar_core.relay.wire import decode_bucket_header, encode_bucket_header
 from laminar_core.runtime.resolve import load_config

@@ -8,6 +8,7 @@ it leaves ``*_ids`` empty and reports lengths through ``num_prompt_tokens`` /
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -156,6 +157,32 @@ class WeightManifest:
     @property
     def total_bytes(self) -> int:
         return sum(self.bucket_sizes)
+
+
+# The manifest's JSON form: the relays' control plane carries it (relay.wire) and the node's
+# shared weight files keep it beside the bytes (interfaces.weights).
+def manifest_to_json(manifest: WeightManifest) -> str:
+    return json.dumps(
+        {
+            "version": manifest.version,
+            "tensors": [
+                [s.name, list(s.shape), s.dtype, s.bucket, s.offset, s.nbytes]
+                for s in manifest.tensors
+            ],
+            "bucket_sizes": list(manifest.bucket_sizes),
+            "checksums": list(manifest.checksums),
+        }
+    )
+
+
+def manifest_from_json(text: str | bytes) -> WeightManifest:
+    d = json.loads(text)
+    return WeightManifest(
+        d["version"],
+        [TensorSpec(n, tuple(shape), dt, b, off, nb) for n, shape, dt, b, off, nb in d["tensors"]],
+        list(d["bucket_sizes"]),
+        list(d["checksums"]),
+    )
 
 
 @dataclass(slots=True)

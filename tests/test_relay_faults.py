@@ -21,14 +21,9 @@ from laminar_core.relay import (
     shared_version,
     unpack,
 )
-from laminar_core.relay.wire import (
-    decode_bucket_header,
-    encode_bucket_header,
-    manifest_from_json,
-    manifest_to_json,
-)
+from laminar_core.relay.wire import decode_bucket_header, encode_bucket_header
 from laminar_core.testing import check_transport, make_weights
-from laminar_core.types import Bucket
+from laminar_core.types import Bucket, manifest_from_json, manifest_to_json
 
 
 def tier_of(n: int, **kw) -> tuple[RelayTier, list[NodeRelay]]:

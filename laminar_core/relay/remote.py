@@ -23,8 +23,7 @@ from typing import Any
 from laminar_core.interfaces.weights import SharedWeights
 from laminar_core.relay.events import RelayEventKind, RelayEvents
 from laminar_core.relay.protocol import ForwardFailed, RelayDied
-from laminar_core.relay.wire import manifest_to_json
-from laminar_core.types import WeightManifest
+from laminar_core.types import WeightManifest, manifest_to_json
 
 log = logging.getLogger(__name__)
 

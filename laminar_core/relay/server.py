@@ -17,7 +17,7 @@ from laminar_core.interfaces import WeightTransport
 from laminar_core.relay.host import RelayHost
 from laminar_core.relay.node import NodeRelay, VersionData
 from laminar_core.relay.shm import SharedVersionStore, remove_shared
-from laminar_core.relay.wire import manifest_from_json
+from laminar_core.types import manifest_from_json
 
 log = logging.getLogger(__name__)
 

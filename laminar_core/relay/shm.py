@@ -8,28 +8,30 @@ end), ``v<version>.json`` (the manifest) and ``current`` (the newest complete ve
 The last ``keep`` versions stay on disk so a reader that just read the pointer can still
 open its file; a file already mapped survives deletion.
 
-``SharedWeights(root, relay_id, version)`` (``laminar_core.interfaces.weights``) is what a
-driver hands a replica instead of tensors: a small picklable reference that maps exactly that
-version when the replica iterates it (in the replica's own process), so the weights never
-cross the network or Ray's object store on their way from the node's relay to its rollouts.
+This module is the writer. The reader, ``SharedWeights(root, relay_id, version)`` and
+``load_shared``, is the engine interface's (``laminar_core.interfaces.weights``, re-exported
+here): ``SharedWeights`` is what a driver hands a replica instead of tensors, a small picklable
+reference that maps exactly that version when the replica iterates it (in the replica's own
+process), so the weights never cross the network or Ray's object store on their way from the
+node's relay to its rollouts.
 """
 
 from __future__ import annotations
 
 import contextlib
-import mmap
 import os
 import shutil
-import warnings
-from collections.abc import Iterator
 from pathlib import Path
 
-import torch
-
-from laminar_core.interfaces.weights import SharedVersionGone, SharedWeights
+from laminar_core.interfaces.weights import (
+    SharedVersionGone,
+    SharedWeights,
+    load_shared,
+    relay_dir,
+    shared_version,
+)
 from laminar_core.relay.node import VersionData
-from laminar_core.relay.wire import manifest_from_json, manifest_to_json
-from laminar_core.types import WeightManifest
+from laminar_core.types import manifest_to_json
 
 DEFAULT_SHM_ROOT = "/dev/shm/laminar"
 
@@ -45,15 +47,11 @@ __all__ = [
 ]
 
 
-def _dir(root: str | os.PathLike, relay_id: int) -> Path:
-    return Path(root) / f"relay{relay_id}"
-
-
 class SharedVersionStore:
     """Writer side: lives in the relay's process."""
 
     def __init__(self, root: str | os.PathLike, relay_id: int, keep: int = 2) -> None:
-        self.dir = _dir(root, relay_id)
+        self.dir = relay_dir(root, relay_id)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.keep = max(1, keep)
 
@@ -85,24 +83,11 @@ class SharedVersionStore:
                     (self.dir / f"v{old}{suffix}").unlink(missing_ok=True)
 
 
-def shared_version(root: str | os.PathLike, relay_id: int) -> int:
-    """The newest version the node's relay shares (-1 if none yet)."""
-    try:
-        return int((_dir(root, relay_id) / "current").read_text())
-    except FileNotFoundError:
-        return -1
-
-
-def relay_dir(root: str | os.PathLike, relay_id: int) -> Path:
-    """Where relay ``relay_id`` shares its versions under ``root``."""
-    return _dir(root, relay_id)
-
-
 def remove_shared(root: str | os.PathLike, relay_id: int) -> None:
     """Delete relay ``relay_id``'s shared versions (tmpfs is RAM: do it when the relay
     closes), and ``root`` too if nothing else is left in it. Readers that mapped a file keep
     their mapping."""
-    shutil.rmtree(_dir(root, relay_id), ignore_errors=True)
+    shutil.rmtree(relay_dir(root, relay_id), ignore_errors=True)
     with contextlib.suppress(OSError):  # only if empty: other relays may still share there
         Path(root).rmdir()
 
@@ -133,62 +118,3 @@ def sweep_orphans(shm_dir: str | os.PathLike) -> list[str]:
         except PermissionError:  # alive, another user's
             pass
     return removed
-
-
-def load_shared(
-    root: str | os.PathLike, relay_id: int, retries: int = 3, version: int | None = None
-) -> tuple[WeightManifest, Iterator[tuple[str, torch.Tensor]]]:
-    """Map the relay's current version (or exactly ``version``): ``(manifest, named tensors)``.
-
-    Tensors are copy-on-write views of the mapped file (writes stay private to the reader).
-    Raises ``LookupError`` if the relay shares no version yet (or not ``version`` yet), and
-    ``SharedVersionGone`` if ``version`` was already replaced by newer ones and deleted.
-    The files are opened before this returns: an error never comes half-way through the
-    tensors.
-    """
-    d = _dir(root, relay_id)
-    for _ in range(retries):
-        v = shared_version(root, relay_id) if version is None else version
-        if v < 0:
-            raise LookupError(f"relay {relay_id} shares no version under {d} yet")
-        try:
-            manifest = manifest_from_json((d / f"v{v}.json").read_text())
-            with open(d / f"v{v}.bin", "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                mm = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) if size else None
-            break
-        except FileNotFoundError:  # pruned between reading the pointer and opening: retry
-            if version is None:
-                continue
-            current = shared_version(root, relay_id)
-            if current > version:
-                raise SharedVersionGone(
-                    f"relay {relay_id} no longer shares version {version} under {d}: it was "
-                    f"replaced by newer versions (current {current}); load the current one"
-                ) from None
-            raise LookupError(
-                f"relay {relay_id} does not share version {version} under {d} yet "
-                f"(current {current})"
-            ) from None
-    else:
-        raise LookupError(f"relay {relay_id}: version files under {d} keep disappearing")
-    if manifest.total_bytes != size:
-        raise ValueError(f"{d / f'v{v}.bin'} is {size} bytes, manifest says {manifest.total_bytes}")
-    if version is not None and manifest.version != version:
-        raise ValueError(f"{d / f'v{v}.json'} holds version {manifest.version}, not {version}")
-
-    def gen() -> Iterator[tuple[str, torch.Tensor]]:
-        for spec in manifest.tensors:
-            dtype = getattr(torch, spec.dtype)
-            if spec.nbytes == 0 or mm is None:
-                yield spec.name, torch.empty(spec.shape, dtype=dtype)
-                continue
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                raw = torch.frombuffer(mm, dtype=torch.uint8, count=spec.nbytes, offset=spec.offset)
-            itemsize = torch.empty(0, dtype=dtype).element_size()
-            if spec.offset % itemsize:  # misaligned for a typed view: copy this one
-                raw = raw.clone()
-            yield spec.name, raw.view(dtype).reshape(spec.shape)
-
-    return manifest, gen()

@@ -2,15 +2,15 @@
 
 Transports that move raw bytes (torch.distributed, NIXL) send a ``Bucket`` as a header plus
 its payload; the header layout is shared here so every transport frames buckets alike. The
-manifest travels on the control plane (relay processes get it over their RPC channel) as JSON.
+manifest travels on the control plane (relay processes get it over their RPC channel) as JSON
+(``types.manifest_to_json``).
 """
 
 from __future__ import annotations
 
-import json
 import struct
 
-from laminar_core.types import Bucket, TensorSpec, WeightManifest
+from laminar_core.types import Bucket
 
 # version, index, nbytes (announced), checksum, payload length (-1: no bytes follow: a
 # phantom bucket or a marker). The payload length is sent apart from ``nbytes`` so that a
@@ -34,27 +34,3 @@ def decode_bucket_header(raw: bytes | bytearray | memoryview) -> tuple[int, int,
     if nbytes < 0 or payload < -1:
         raise ValueError(f"corrupt bucket header ({nbytes} bytes, payload {payload})")
     return version, index, nbytes, digest, payload
-
-
-def manifest_to_json(manifest: WeightManifest) -> str:
-    return json.dumps(
-        {
-            "version": manifest.version,
-            "tensors": [
-                [s.name, list(s.shape), s.dtype, s.bucket, s.offset, s.nbytes]
-                for s in manifest.tensors
-            ],
-            "bucket_sizes": list(manifest.bucket_sizes),
-            "checksums": list(manifest.checksums),
-        }
-    )
-
-
-def manifest_from_json(text: str | bytes) -> WeightManifest:
-    d = json.loads(text)
-    return WeightManifest(
-        d["version"],
-        [TensorSpec(n, tuple(shape), dt, b, off, nb) for n, shape, dt, b, off, nb in d["tensors"]],
-        list(d["bucket_sizes"]),
-        list(d["checksums"]),
-    )

@@ -186,7 +186,7 @@ class TrainerHost:
 
     async def push_send(self, version: int, master_rank: int) -> str:
         """Send the prepared ``version`` to the master; returns its manifest (JSON)."""
-        from laminar_core.relay.wire import manifest_to_json
+        from laminar_core.types import manifest_to_json
 
         out = self.outgoing[version]
         await out.send(master_rank)

@@ -24,7 +24,6 @@ from laminar_core.interfaces import (
 )
 from laminar_core.relay.push import Export, Outgoing, Push
 from laminar_core.relay.tier import PublishResult, RelayTier
-from laminar_core.relay.wire import manifest_from_json
 from laminar_core.runtime.ray_calls import ACTOR_GONE, RayTaskError, engine_error
 from laminar_core.types import (
     EngineStats,
@@ -33,6 +32,7 @@ from laminar_core.types import (
     TrainBatch,
     Trajectory,
     WeightManifest,
+    manifest_from_json,
 )
 
 
