@@ -22,36 +22,15 @@ activation checkpointing's recompute in backward sees the same state.
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass
 from itertools import pairwise
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
-from laminar_core import to_device
+from laminar_fsdp import ulysses
+from laminar_fsdp.packed_row import PackedRow
 
 ATTENTION_NAME = "laminar_packed"
-
-
-@dataclass
-class PackedRow:
-    """One packed row's segments, and the sequence-parallel group sharing it (``size`` 1:
-    none). ``cu_seqlens``: int32 ``[0, ..., L]`` on the compute device, trailing padding a
-    segment of its own; ``bounds``: the same as Python ints."""
-
-    cu_seqlens: Tensor
-    bounds: list[int]
-    max_seqlen: int
-    group: dist.ProcessGroup | None = None
-    size: int = 1
-    rank: int = 0
-
-    @classmethod
-    def of(cls, bounds: list[int], device: torch.device, **sp) -> PackedRow:
-        lengths = [b - a for a, b in pairwise(bounds)]
-        cu = to_device(torch.tensor(bounds, dtype=torch.int32), device)
-        return cls(cu, list(bounds), max(lengths, default=1), **sp)
 
 
 def flash_varlen_available(device: torch.device) -> bool:
@@ -99,8 +78,6 @@ def packed_attention_forward(
     """transformers attention interface: ``query [1, H, L_local, d]`` (after rotary) in,
     ``[1, L_local, H, d]`` out. Needs ``laminar_row`` (a :class:`PackedRow`) in ``kwargs``;
     with ``row.size > 1`` the row is split over a sequence-parallel group (Ulysses)."""
-    from laminar_fsdp import ulysses
-
     row: PackedRow | None = kwargs.get("laminar_row")
     if row is None:
         raise RuntimeError(

@@ -40,7 +40,6 @@ from laminar_core import (
 )
 from laminar_core.algorithms import compute_advantages, policy_loss_terms
 from laminar_fsdp import attention, ulysses
-from laminar_fsdp.attention import PackedRow
 from laminar_fsdp.batching import (
     MicroBatch,
     assign_ranks,
@@ -56,6 +55,7 @@ from laminar_fsdp.batching import (
 from laminar_fsdp.export import WeightStream, export_buckets
 from laminar_fsdp.memory import SavedBytes, saved_activations
 from laminar_fsdp.options import FSDPOptions
+from laminar_fsdp.packed_row import PackedRow
 from laminar_fsdp.policy import PolicyModel, train_mode_without_dropout
 from laminar_fsdp.ulysses import gather_sequence
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from laminar_core.algorithms import chunked_logprobs
-from laminar_fsdp.attention import PackedRow
+from laminar_fsdp.packed_row import PackedRow
 
 # Config attributes of models whose head is more than ``hidden @ W.T (+ b)``.
 _HEAD_EXTRAS = ("final_logit_softcapping", "logit_scale", "output_multiplier_scale")

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from laminar_fsdp.attention import PackedRow
+from laminar_fsdp.packed_row import PackedRow
 
 
 def _a2a(x: Tensor, group: dist.ProcessGroup | None) -> Tensor:

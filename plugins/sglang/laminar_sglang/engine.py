@@ -46,7 +46,6 @@ import psutil
 import torch
 
 import laminar_core
-import laminar_sglang
 from laminar_core import (
     BuildContext,
     EngineStats,
@@ -95,7 +94,8 @@ def _remove_orphans() -> None:
 
 
 def _import_root(module: Any) -> str:
-    """The directory a package is imported from (its parent), for the host's import path."""
+    """The directory a package is imported from (its parent), for the host's import path;
+    ``module`` is the package or a module directly inside it."""
     return str(Path(module.__file__).resolve().parent.parent)
 
 
@@ -206,7 +206,7 @@ class SGLangRolloutEngine(RolloutEngine):
         env = dict(os.environ)
         # The host imports this package and core exactly as this process does.
         paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-        for root in (_import_root(laminar_sglang), _import_root(laminar_core)):
+        for root in (_import_root(channel), _import_root(laminar_core)):
             if root not in paths:
                 paths.append(root)
         if device == "cpu":
