@@ -21,6 +21,8 @@ export UCX_TLS=tcp,self UCX_NET_DEVICES=lo
 export LAMINAR_REQUIRE_REAL=1
 python -m ruff check laminar_core tests benchmarks plugins
 python -m ruff format --check laminar_core tests benchmarks plugins
+# the layers and the plugins' public-API rule ([tool.importlinter] in pyproject.toml)
+lint-imports --no-cache
 # every package builds alone and installs alone (core + one plugin, against the lock)
 bash scripts/check_packages.sh
 python -m pytest -q "$@"
