@@ -15,12 +15,15 @@ from laminar_core.interfaces import (
     Environment,
     EnvUnavailable,
     Episode,
+    InFlightTrajectories,
+    LiveTrajectory,
     ModelOnly,
     RepackPolicy,
     ReplicaFailure,
     RolloutEngine,
     SharedVersionGone,
     SharedWeights,
+    ShmScratch,
     StepResult,
     TensorWeights,
     ToolCall,
@@ -37,7 +40,8 @@ from laminar_core.interfaces import (
 )
 from laminar_core.interfaces.weights import load_shared
 from laminar_core.models import build_tiny_model, model_dir
-from laminar_core.plugins import hookimpl
+from laminar_core.net import free_port
+from laminar_core.plugins import PluginManager, hookimpl
 from laminar_core.relay import WeightIntegrityError, unpack
 from laminar_core.relay.packing import checksum as bucket_checksum
 from laminar_core.relay.wire import HEADER_BYTES as BUCKET_HEADER_BYTES
@@ -81,10 +85,13 @@ __all__ = [
     "FinishReason",
     "GenerationRequest",
     "Group",
+    "InFlightTrajectories",
     "LaminarConfig",
+    "LiveTrajectory",
     "ModelOnly",
     "Move",
     "PartialTrajectory",
+    "PluginManager",
     "RepackPolicy",
     "ReplicaFailure",
     "ReplicaState",
@@ -94,6 +101,7 @@ __all__ = [
     "SamplingParams",
     "SharedVersionGone",
     "SharedWeights",
+    "ShmScratch",
     "StepResult",
     "TensorSpec",
     "TensorWeights",
@@ -117,6 +125,7 @@ __all__ = [
     "build_tiny_model",
     "decode_bucket_header",
     "encode_bucket_header",
+    "free_port",
     "hookimpl",
     "iterate_in_thread",
     "load_config",

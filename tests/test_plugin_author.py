@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from laminar_core import FinishReason, SharedWeights, Trajectory, load_config
+from laminar_core import FinishReason, LiveTrajectory, SharedWeights, Trajectory, load_config
 from laminar_core.cli import main
 from laminar_core.models import build_tiny_model
 from laminar_core.plugins import PluginManager, builtins, hookimpl, reset_default_manager
@@ -204,8 +204,7 @@ def test_kit_fails_an_engine_that_ignores_loaded_weights(hfgen: type, tiny: str,
 def test_kit_fails_an_engine_that_blocks_the_event_loop(hfgen: type, tiny: str) -> None:
     class Blocking(hfgen):
         async def generate(self, request):  # type: ignore[no-untyped-def]
-            live = type("Live", (), {})()
-            live.request, live.tokens, live.logprobs, live.aborted = request, [], [], False
+            live = LiveTrajectory(request, request.traj_id, [], [], [self.version])
             finish = self._decode(live)  # on the event loop: nothing else runs meanwhile
             return Trajectory(
                 request.traj_id,

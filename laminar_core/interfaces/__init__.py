@@ -12,8 +12,10 @@ from laminar_core.interfaces.environment import (
     ToolCall,
     ToolCallParser,
 )
+from laminar_core.interfaces.inflight import InFlightTrajectories, LiveTrajectory
 from laminar_core.interfaces.repack import RepackPolicy
 from laminar_core.interfaces.rollout import ReplicaFailure, RolloutEngine
+from laminar_core.interfaces.scratch import ShmScratch
 from laminar_core.interfaces.trainer import (
     TrainerContext,
     TrainerEngine,
@@ -39,12 +41,15 @@ __all__ = [
     "EnvUnavailable",
     "Environment",
     "Episode",
+    "InFlightTrajectories",
+    "LiveTrajectory",
     "ModelOnly",
     "RepackPolicy",
     "ReplicaFailure",
     "RolloutEngine",
     "SharedVersionGone",
     "SharedWeights",
+    "ShmScratch",
     "StepResult",
     "TensorWeights",
     "ToolCall",

@@ -2,10 +2,11 @@
 
 SGLang does the continuous batching: every ``generate`` call is one SGLang request, streamed
 with incremental output, so this engine always knows the tokens and log-probs each
-trajectory has produced so far. That running record is what ``abort`` and ``partials``
-return, and what a resumed trajectory starts from (prompt + partial response re-prefilled,
-the prefix's log-probs kept). Log-probs are SGLang's sampled-token log-probs after
-temperature scaling, ``log_softmax(logits / T)``: what the trainer recomputes.
+trajectory has produced so far. That running record (core's ``InFlightTrajectories``) is
+what ``abort`` and ``partials`` return, and what a resumed trajectory starts from (prompt +
+partial response re-prefilled, the prefix's log-probs kept). Log-probs are SGLang's
+sampled-token log-probs after temperature scaling, ``log_softmax(logits / T)``: what the
+trainer recomputes.
 
 The SGLang ``Engine`` runs in a host process of this replica's own (``laminar_sglang.host``;
 one per replica, tensor parallel inside it on GPU), because SGLang kills the process that
@@ -15,9 +16,9 @@ the driver (or the Ray actor) down with it.
 
 Weights are loaded in place: the new version is named by a file in the node's shared memory
 (the node relay's own file for ``SharedWeights``; a safetensors file this engine writes for
-tensors in memory), and SGLang's schedulers map it through a custom loader
-(``laminar_sglang.loader``) inside ``begin_weight_update`` / ``update_weights_from_tensor`` /
-``end_weight_update``; the prefix cache is flushed after.
+tensors in memory, in core's ``ShmScratch``), and SGLang's schedulers map it through a
+custom loader (``laminar_sglang.loader``) inside ``begin_weight_update`` /
+``update_weights_from_tensor`` / ``end_weight_update``; the prefix cache is flushed after.
 
 SGLang is imported only in the host process, so validating a config or listing plugins
 stays fast.
@@ -37,8 +38,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -49,13 +48,15 @@ import laminar_core
 from laminar_core import (
     BuildContext,
     EngineStats,
-    FinishReason,
     GenerationRequest,
+    InFlightTrajectories,
+    LiveTrajectory,
     ModelOnly,
     PartialTrajectory,
     ReplicaFailure,
     RolloutEngine,
     SharedWeights,
+    ShmScratch,
     TensorWeights,
     Trajectory,
     WeightsRef,
@@ -64,55 +65,14 @@ from laminar_core import (
 from laminar_sglang import channel, cpu_support, loader
 from laminar_sglang.options import SGLangOptions
 
-_SHM = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
-_PREFIX = "laminar-sglang-"
-_ABORT_WAIT_S = 30.0  # how long abort waits for SGLang to hand back an aborted request
 _STOP_WAIT_S = 60.0
 # Timings use the monotonic clock: the one the driver's event loop reads (on one node).
-
-
-def _own_dir() -> Path:
-    """This process's directory for weight files in shared memory (tmpfs is RAM: a file
-    left by a process that was killed mid-update stays until someone removes it)."""
-    d = _SHM / f"{_PREFIX}{os.getpid()}"
-    d.mkdir(exist_ok=True)
-    return d
-
-
-def _remove_orphans() -> None:
-    """Remove the weight-file directories of engine processes that no longer exist."""
-    for d in _SHM.glob(f"{_PREFIX}*"):
-        pid = d.name.removeprefix(_PREFIX)
-        if not pid.isdigit() or int(pid) == os.getpid():
-            continue
-        try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
-            shutil.rmtree(d, ignore_errors=True)
-        except PermissionError:  # alive, another user's
-            pass
 
 
 def _import_root(module: Any) -> str:
     """The directory a package is imported from (its parent), for the host's import path;
     ``module`` is the package or a module directly inside it."""
     return str(Path(module.__file__).resolve().parent.parent)
-
-
-@dataclass
-class _Live:
-    """One in-flight trajectory: what it has produced so far, prefix included."""
-
-    request: GenerationRequest
-    rid: str
-    tokens: list[int]
-    logprobs: list[float]
-    versions: list[int]
-    start: float
-    aborted: bool = False
-    finish: str | None = None
-    error: str | None = None
-    done: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 class SGLangRolloutEngine(RolloutEngine):
@@ -157,8 +117,9 @@ class SGLangRolloutEngine(RolloutEngine):
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
         self._reading: asyncio.Task | None = None
-        self._live: dict[str, _Live] = {}  # by trajectory id
-        self._by_rid: dict[str, _Live] = {}  # by SGLang request id
+        # the trajectories in flight (by SGLang request id too): what abort and partials return
+        self._inflight = InFlightTrajectories(replica_id)
+        self._scratch = ShmScratch("laminar-sglang-")  # weight files in shared memory
         self._calls: dict[int, asyncio.Future] = {}
         self._ids = itertools.count()
         self._capacity_tokens = 0
@@ -234,7 +195,7 @@ class SGLangRolloutEngine(RolloutEngine):
                 "rollout.engine=sglang needs SGLang: `pip install laminar-sglang[gpu]` on a GPU "
                 "machine, or `bash scripts/install.sh` (the CPU recipe) on CPU"
             )
-        _remove_orphans()
+        self._scratch.remove_orphans()
         ours, theirs = socket.socketpair()
         try:
             self._proc = subprocess.Popen(
@@ -298,8 +259,7 @@ class SGLangRolloutEngine(RolloutEngine):
         if self._writer is not None:
             self._writer.close()
         self._proc = None
-        with contextlib.suppress(OSError):  # another engine of this process may still use it
-            (_SHM / f"{_PREFIX}{os.getpid()}").rmdir()
+        self._scratch.release()
 
     async def _abandon(self, reason: str) -> None:
         """A start that failed: nothing of the host is left, and the engine is dead."""
@@ -338,7 +298,7 @@ class SGLangRolloutEngine(RolloutEngine):
             while True:
                 msg = await channel.recv(self._reader)
                 if msg["t"] == "out":
-                    live = self._by_rid.get(msg["rid"])
+                    live = self._inflight.find(msg["rid"])
                     if live is None:
                         continue
                     live.tokens.extend(msg["ids"])
@@ -366,7 +326,7 @@ class SGLangRolloutEngine(RolloutEngine):
             if not fut.done():
                 fut.set_exception(ReplicaFailure(f"replica {self.replica_id}: {self._dead}"))
         self._calls.clear()
-        for live in self._live.values():
+        for live in self._inflight:
             live.done.set()
         if self._proc is not None:  # SGLang's children may outlive a killed host
             with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -406,129 +366,61 @@ class SGLangRolloutEngine(RolloutEngine):
     async def generate(self, request: GenerationRequest) -> Trajectory:
         self._check()
         tid = request.traj_id
-        resume = request.resume
-        prefix = list(resume.response_ids) if resume else []
-        versions = list(resume.versions or [resume.version]) if resume else [self.version]
-        if versions[-1] != self.version:
-            versions.append(self.version)
-        live = _Live(
-            request,
-            f"{tid}#{next(self._ids)}",  # a resumed trajectory is a new SGLang request
-            list(prefix),
-            list(resume.logprobs) if resume else [],
-            versions,
-            time.monotonic(),
-        )
-        s = request.sampling
-        remaining = s.max_tokens - len(prefix)
-        if remaining > 0:
-            sampling: dict[str, Any] = {
-                "temperature": s.temperature,
-                "top_p": s.top_p,
-                "max_new_tokens": remaining,
-            }
-            if s.stop:
-                sampling["stop"] = list(s.stop)
-            if s.seed is not None:  # honoured by SGLang's deterministic-inference mode
-                sampling["sampling_seed"] = s.seed
-            self._live[tid] = live
-            self._by_rid[live.rid] = live
-            try:
-                await self._send(
-                    {
-                        "op": "generate",
-                        "rid": live.rid,
-                        "input_ids": list(request.prompt_ids) + prefix,
-                        "sampling": sampling,
-                    }
-                )
-                await live.done.wait()
-            except asyncio.CancelledError:
-                if self._dead is None and not live.done.is_set():
-                    with contextlib.suppress(Exception):
-                        await self._send({"op": "abort", "rids": [live.rid]})
-                raise
-            finally:
-                self._live.pop(tid, None)
-                self._by_rid.pop(live.rid, None)
-            if self._dead is not None and live.finish is None:
-                raise ReplicaFailure(
-                    f"replica {self.replica_id}: trajectory {tid} lost with the engine: "
-                    f"{self._dead}"
-                )
-            if live.error is not None:
-                raise RuntimeError(
-                    f"replica {self.replica_id}: SGLang refused trajectory {tid}: {live.error}"
-                )
-        else:
-            live.finish = "length"
-        if live.aborted or live.finish == "abort":
-            reason = FinishReason.ABORTED
-        elif live.finish == "length":
-            reason = FinishReason.LENGTH
-        else:
-            reason = FinishReason.STOP
-        meta = dict(request.metadata)
-        if prefix:
-            meta["resumed_tokens"] = len(prefix)
-        return Trajectory(
-            traj_id=tid,
-            group_id=request.group_id,
-            version=versions[0],
-            prompt_ids=list(request.prompt_ids),
-            response_ids=live.tokens,
-            logprobs=live.logprobs,
-            num_prompt_tokens=len(request.prompt_ids),
-            num_response_tokens=len(live.tokens),
-            finish_reason=reason,
-            versions=versions,
-            replicas=[self.replica_id],
-            start_time=live.start,
-            finish_time=time.monotonic(),
-            metadata=meta,
-        )
+        # a resumed trajectory is a new SGLang request
+        with self._inflight.track(request, self.version, f"{tid}#{next(self._ids)}") as live:
+            if live.remaining > 0:
+                await self._stream(live)
+        if self._dead is not None and live.finish is None:
+            raise ReplicaFailure(
+                f"replica {self.replica_id}: trajectory {tid} lost with the engine: {self._dead}"
+            )
+        if live.error is not None:
+            raise RuntimeError(
+                f"replica {self.replica_id}: SGLang refused trajectory {tid}: {live.error}"
+            )
+        return self._inflight.trajectory(live)
 
-    def _partial(self, live: _Live) -> PartialTrajectory:
-        return PartialTrajectory(
-            traj_id=live.request.traj_id,
-            version=self.version,
-            response_ids=list(live.tokens),
-            logprobs=list(live.logprobs),
-            num_response_tokens=len(live.tokens),
-            versions=list(live.versions),
-        )
+    async def _stream(self, live: LiveTrajectory) -> None:
+        """One SGLang request; ``_read`` appends its tokens to ``live`` and sets ``done``."""
+        s = live.request.sampling
+        sampling: dict[str, Any] = {
+            "temperature": s.temperature,
+            "top_p": s.top_p,
+            "max_new_tokens": live.remaining,
+        }
+        if s.stop:
+            sampling["stop"] = list(s.stop)
+        if s.seed is not None:  # honoured by SGLang's deterministic-inference mode
+            sampling["sampling_seed"] = s.seed
+        msg = {"op": "generate", "rid": live.request_id, "input_ids": live.input_ids}
+        try:
+            await self._send({**msg, "sampling": sampling})
+            await live.done.wait()
+        except asyncio.CancelledError:
+            if self._dead is None and not live.done.is_set():
+                with contextlib.suppress(Exception):
+                    await self._send({"op": "abort", "rids": [live.request_id]})
+            raise
 
     async def abort(self, traj_ids: list[str]) -> list[PartialTrajectory]:
         self._check()
-        lives = [self._live[t] for t in traj_ids if t in self._live]
-        if not lives:
-            return []
-        for live in lives:
-            live.aborted = True
-        await self._send({"op": "abort", "rids": [live.rid for live in lives]})
-        # SGLang hands back the aborted requests' last tokens through their streams; wait
-        # for them so the partials below hold everything the trajectories produced.
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(
-                asyncio.gather(*(live.done.wait() for live in lives)), _ABORT_WAIT_S
-            )
-        return [self._partial(live) for live in lives]
+        # SGLang hands back the aborted requests' last tokens through their streams: the
+        # helper waits for them, so the partials hold everything the trajectories produced
+        return await self._inflight.abort(
+            traj_ids,
+            lambda lives: self._send({"op": "abort", "rids": [v.request_id for v in lives]}),
+        )
 
     async def partials(self, traj_ids: list[str] | None = None) -> list[PartialTrajectory]:
         self._check()
-        ids = self._live.keys() if traj_ids is None else [t for t in traj_ids if t in self._live]
-        return [self._partial(self._live[t]) for t in list(ids)]
+        return self._inflight.partials(traj_ids)
 
     # -- weights -----------------------------------------------------------------------------
     async def update_weights(self, weights: WeightsRef) -> None:
         """Hold ``weights.version``: load a node relay's ``SharedWeights`` or in-memory
         ``TensorWeights``; a ``ModelOnly`` version has no tensors (only the number changes)."""
         self._check()
-        if self._live:
-            raise RuntimeError(
-                f"replica {self.replica_id}: update_weights with {len(self._live)} "
-                "trajectories in flight would mix weight versions inside one trajectory"
-            )
+        self._inflight.require_idle()
         if isinstance(weights, SharedWeights):
             # The node relay's own file: every scheduler maps it (no copy of ours). Opening
             # it here first makes a missing or replaced version fail before SGLang loads:
@@ -542,22 +434,8 @@ class SGLangRolloutEngine(RolloutEngine):
             }
             await self._call("update", ref=ref)
         elif isinstance(weights, TensorWeights):
-            from safetensors.torch import save_file
-
-            tensors = {n: t.detach().contiguous().cpu() for n, t in weights}
-            fd, path = tempfile.mkstemp(
-                prefix=f"{self.replica_id}-v{weights.version}-",
-                suffix=".safetensors",
-                dir=_own_dir(),
-            )
-            os.close(fd)
-            try:
-                save_file(tensors, path)
-                del tensors
+            with self._scratch.safetensors(weights, self.replica_id) as path:
                 await self._call("update", ref={"kind": "safetensors", "path": path})
-            finally:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)
         elif not isinstance(weights, ModelOnly):
             raise TypeError(
                 f"replica {self.replica_id}: update_weights takes TensorWeights, SharedWeights "
@@ -570,14 +448,13 @@ class SGLangRolloutEngine(RolloutEngine):
         # few steps; our own record of in-flight requests is exact, so the scheduler's view
         # splits those into running and waiting and says how full the KV cache is.
         sched = await self._call("stats")
-        inflight = len(self._live)
+        inflight = len(self._inflight)
         waiting = min(inflight, sched["waiting"]) if sched else 0
         capacity = (sched or {}).get("capacity") or self._capacity_tokens
         if inflight and sched:
             kv_use = sched["used"] / capacity if capacity else 0.0
         else:
-            used = sum(len(v.request.prompt_ids) + len(v.tokens) for v in self._live.values())
-            kv_use = used / capacity if capacity else 0.0
+            kv_use = self._inflight.held_tokens() / capacity if capacity else 0.0
         return EngineStats(
             running=inflight - waiting,
             waiting=waiting,

@@ -2,14 +2,14 @@
 
 vLLM does the continuous batching: every ``generate`` call is one vLLM request, streamed
 with ``RequestOutputKind.DELTA`` so this engine always knows the tokens and log-probs each
-trajectory has produced so far. That running record is what ``abort`` and ``partials``
-return, and what a resumed trajectory starts from (prompt + partial response re-prefilled,
-the prefix's log-probs kept).
+trajectory has produced so far. That running record (core's ``InFlightTrajectories``) is
+what ``abort`` and ``partials`` return, and what a resumed trajectory starts from (prompt +
+partial response re-prefilled, the prefix's log-probs kept).
 
 Weights are loaded in place through a worker extension (``laminar_vllm.worker``): the new
-version is staged in a safetensors file in host shared memory (``/dev/shm``) and every vLLM
-worker maps it and calls vLLM's ``reload_weights``; the prefix cache is reset after, since
-cached KV blocks were computed by the old weights.
+version is staged in a safetensors file in host shared memory (``/dev/shm``, core's
+``ShmScratch``) and every vLLM worker maps it and calls vLLM's ``reload_weights``; the
+prefix cache is reset after, since cached KV blocks were computed by the old weights.
 
 vLLM is imported only in ``start()``, so validating a config or listing plugins stays fast.
 """
@@ -17,26 +17,22 @@ vLLM is imported only in ``start()``, so validating a config or listing plugins 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import gc
 import itertools
 import os
-import shutil
-import tempfile
-import time
-from dataclasses import dataclass, field
-from pathlib import Path
 
 from laminar_core import (
     BuildContext,
     EngineStats,
-    FinishReason,
     GenerationRequest,
+    InFlightTrajectories,
+    LiveTrajectory,
     PartialTrajectory,
     ReplicaFailure,
     RolloutEngine,
     SharedWeights,
+    ShmScratch,
     TensorWeights,
     Trajectory,
     WeightsRef,
@@ -44,48 +40,7 @@ from laminar_core import (
 )
 from laminar_vllm.options import VLLMOptions
 
-_SHM = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
-_PREFIX = "laminar-vllm-"
-
-
-def _own_dir() -> Path:
-    """This process's directory for weight files in shared memory (tmpfs is RAM: a file
-    left by a process that was killed mid-update stays until someone removes it)."""
-    d = _SHM / f"{_PREFIX}{os.getpid()}"
-    d.mkdir(exist_ok=True)
-    return d
-
-
-def _remove_orphans() -> None:
-    """Remove the weight-file directories of engine processes that no longer exist."""
-    for d in _SHM.glob(f"{_PREFIX}*"):
-        pid = d.name.removeprefix(_PREFIX)
-        if not pid.isdigit() or int(pid) == os.getpid():
-            continue
-        try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
-            shutil.rmtree(d, ignore_errors=True)
-        except PermissionError:  # alive, another user's
-            pass
-
-
-_ABORT_WAIT_S = 30.0  # how long abort waits for vLLM to hand back an aborted request
 # Timings use the monotonic clock: the one the driver's event loop reads (on one node).
-
-
-@dataclass
-class _Live:
-    """One in-flight trajectory: what it has produced so far, prefix included."""
-
-    request: GenerationRequest
-    vllm_id: str
-    tokens: list[int]
-    logprobs: list[float]
-    versions: list[int]
-    start: float
-    aborted: bool = False
-    done: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 class VLLMRolloutEngine(RolloutEngine):
@@ -122,7 +77,9 @@ class VLLMRolloutEngine(RolloutEngine):
         self.own_process = own_process
         self.version = 0
         self._llm = None
-        self._live: dict[str, _Live] = {}
+        # the trajectories in flight: what abort and partials return
+        self._inflight = InFlightTrajectories(replica_id)
+        self._scratch = ShmScratch("laminar-vllm-")  # weight files in shared memory
         self._ids = itertools.count()
         self._capacity_tokens = 0
         self._block_size = 0  # KV-cache block, tokens (vLLM's CPU backend: 128)
@@ -133,7 +90,7 @@ class VLLMRolloutEngine(RolloutEngine):
     # -- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
         path = model_dir(self.model_path, f"rollout replica {self.replica_id}")
-        _remove_orphans()
+        self._scratch.remove_orphans()
         os.environ.setdefault("VLLM_LOGGING_LEVEL", self.opt.log_level)
         in_process = self._core_in_process()
         if self.opt.worker_in_core or in_process:
@@ -210,8 +167,7 @@ class VLLMRolloutEngine(RolloutEngine):
         llm, self._llm = self._llm, None
         if llm is not None:
             llm.shutdown()
-        with contextlib.suppress(OSError):  # another engine of this process may still use it
-            (_SHM / f"{_PREFIX}{os.getpid()}").rmdir()
+        self._scratch.release()
 
     def _stat_logger(self) -> type:
         from vllm.v1.metrics.loggers import StatLoggerBase
@@ -244,131 +200,70 @@ class VLLMRolloutEngine(RolloutEngine):
 
     # -- generation --------------------------------------------------------------------------
     async def generate(self, request: GenerationRequest) -> Trajectory:
+        self._check()
+        # a resumed trajectory is a new vLLM request
+        rid = f"{request.traj_id}#{next(self._ids)}"
+        with self._inflight.track(request, self.version, rid) as live:
+            if live.remaining > 0:
+                live.finish = "length"
+                await self._stream(live)
+        return self._inflight.trajectory(live)
+
+    async def _stream(self, live: LiveTrajectory) -> None:
+        """One vLLM request: its tokens and log-probs into ``live`` as they come."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
-        self._check()
-        tid = request.traj_id
-        resume = request.resume
-        prefix = list(resume.response_ids) if resume else []
-        versions = list(resume.versions or [resume.version]) if resume else [self.version]
-        if versions[-1] != self.version:
-            versions.append(self.version)
-        live = _Live(
-            request,
-            f"{tid}#{next(self._ids)}",  # a resumed trajectory is a new vLLM request
-            list(prefix),
-            list(resume.logprobs) if resume else [],
-            versions,
-            time.monotonic(),
+        s = live.request.sampling
+        params = SamplingParams(
+            n=1,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            max_tokens=live.remaining,
+            seed=s.seed,
+            stop=list(s.stop) or None,
+            logprobs=0,  # the sampled token's log-prob, nothing more
+            output_kind=RequestOutputKind.DELTA,
+            # a trajectory is token ids (the driver decodes what a reward reads), so vLLM's
+            # per-step incremental detokenizing is needed only to match stop strings;
+            # without them it was ~4% of a CPU replica's time per token
+            # (benchmarks/decode_batch.py)
+            detokenize=bool(s.stop),
         )
-        s = request.sampling
-        remaining = s.max_tokens - len(prefix)
-        finish = "length"
-        if remaining > 0:
-            params = SamplingParams(
-                n=1,
-                temperature=s.temperature,
-                top_p=s.top_p,
-                max_tokens=remaining,
-                seed=s.seed,
-                stop=list(s.stop) or None,
-                logprobs=0,  # the sampled token's log-prob, nothing more
-                output_kind=RequestOutputKind.DELTA,
-                # a trajectory is token ids (the driver decodes what a reward reads), so
-                # vLLM's per-step incremental detokenizing is needed only to match stop
-                # strings; without them it was ~4% of a CPU replica's time per token
-                # (benchmarks/decode_batch.py)
-                detokenize=bool(s.stop),
-            )
-            self._live[tid] = live
-            try:
-                prompt = TokensPrompt(prompt_token_ids=list(request.prompt_ids) + prefix)
-                async for out in self._llm.generate(prompt, params, live.vllm_id):
-                    o = out.outputs[0]
-                    new = list(o.token_ids)
-                    live.tokens.extend(new)
-                    if o.logprobs:
-                        live.logprobs.extend(
-                            d[t].logprob for d, t in zip(o.logprobs, new, strict=True)
-                        )
-                    finish = o.finish_reason or finish
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:
-                if self._llm is None or self._llm.errored:
-                    self._dead = f"{type(e).__name__}: {e}"
-                    raise ReplicaFailure(f"replica {self.replica_id}: {self._dead}") from e
-                raise
-            finally:
-                self._live.pop(tid, None)
-                live.done.set()
-        if live.aborted or finish == "abort":
-            reason = FinishReason.ABORTED
-        elif finish == "length":
-            reason = FinishReason.LENGTH
-        else:
-            reason = FinishReason.STOP
-        meta = dict(request.metadata)
-        if prefix:
-            meta["resumed_tokens"] = len(prefix)
-        return Trajectory(
-            traj_id=tid,
-            group_id=request.group_id,
-            version=versions[0],
-            prompt_ids=list(request.prompt_ids),
-            response_ids=live.tokens,
-            logprobs=live.logprobs,
-            num_prompt_tokens=len(request.prompt_ids),
-            num_response_tokens=len(live.tokens),
-            finish_reason=reason,
-            versions=versions,
-            replicas=[self.replica_id],
-            start_time=live.start,
-            finish_time=time.monotonic(),
-            metadata=meta,
-        )
-
-    def _partial(self, live: _Live) -> PartialTrajectory:
-        return PartialTrajectory(
-            traj_id=live.request.traj_id,
-            version=self.version,
-            response_ids=list(live.tokens),
-            logprobs=list(live.logprobs),
-            num_response_tokens=len(live.tokens),
-            versions=list(live.versions),
-        )
+        try:
+            prompt = TokensPrompt(prompt_token_ids=live.input_ids)
+            async for out in self._llm.generate(prompt, params, live.request_id):
+                o = out.outputs[0]
+                new = list(o.token_ids)
+                live.tokens.extend(new)
+                if o.logprobs:
+                    live.logprobs.extend(d[t].logprob for d, t in zip(o.logprobs, new, strict=True))
+                live.finish = o.finish_reason or live.finish
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            if self._llm is None or self._llm.errored:
+                self._dead = f"{type(e).__name__}: {e}"
+                raise ReplicaFailure(f"replica {self.replica_id}: {self._dead}") from e
+            raise
 
     async def abort(self, traj_ids: list[str]) -> list[PartialTrajectory]:
         self._check()
-        lives = [self._live[t] for t in traj_ids if t in self._live]
-        if not lives:
-            return []
-        for live in lives:
-            live.aborted = True
-        await self._llm.abort([live.vllm_id for live in lives])
-        # vLLM hands back the aborted requests' last tokens through their streams; wait for
-        # them so the partials below hold everything the trajectories produced.
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(
-                asyncio.gather(*(live.done.wait() for live in lives)), _ABORT_WAIT_S
-            )
-        return [self._partial(live) for live in lives]
+        # vLLM hands back the aborted requests' last tokens through their streams: the
+        # helper waits for them, so the partials hold everything the trajectories produced
+        return await self._inflight.abort(
+            traj_ids, lambda lives: self._llm.abort([live.request_id for live in lives])
+        )
 
     async def partials(self, traj_ids: list[str] | None = None) -> list[PartialTrajectory]:
         self._check()
-        ids = self._live.keys() if traj_ids is None else [t for t in traj_ids if t in self._live]
-        return [self._partial(self._live[t]) for t in list(ids)]
+        return self._inflight.partials(traj_ids)
 
     # -- weights -----------------------------------------------------------------------------
     async def update_weights(self, weights: WeightsRef) -> None:
         self._check()
-        if self._live:
-            raise RuntimeError(
-                f"replica {self.replica_id}: update_weights with {len(self._live)} "
-                "trajectories in flight would mix weight versions inside one trajectory"
-            )
+        self._inflight.require_idle()
         if isinstance(weights, SharedWeights):
             # The node relay's own file: every worker maps it (no copy of ours). Opening it
             # here first makes a missing or replaced version fail before any worker loads.
@@ -377,32 +272,11 @@ class VLLMRolloutEngine(RolloutEngine):
             await self._llm.collective_rpc("laminar_load_shared", args=ref)
             await self._llm.reset_prefix_cache()
         elif isinstance(weights, TensorWeights):
-            from safetensors.torch import save_file
-
-            version = weights.version
-            tensors = {n: t.detach().contiguous().cpu() for n, t in weights}
-            fd, path = tempfile.mkstemp(
-                prefix=f"{self.replica_id}-v{version}-", suffix=".safetensors", dir=_own_dir()
-            )
-            os.close(fd)
-            try:
-                save_file(tensors, path)
-                del tensors
+            with self._scratch.safetensors(weights, self.replica_id) as path:
                 await self._llm.collective_rpc("laminar_load_weights", args=(path,))
-            finally:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)
             await self._llm.reset_prefix_cache()  # cached KV was computed by the old weights
         # ModelOnly (a simulated trainer's version): nothing to load
         self.version = weights.version
-
-    def _blocks_in_use(self) -> int:
-        """KV blocks our in-flight requests hold, as vLLM allocates them (whole blocks of
-        ``block_size`` tokens per sequence: prompt + response so far)."""
-        b = self._block_size or 1
-        return sum(
-            -(-(len(v.request.prompt_ids) + len(v.tokens)) // b) for v in self._live.values()
-        )
 
     async def stats(self) -> EngineStats:
         """Load for the rollout manager and repack (``RepackPolicy`` reads ``kv_use`` and
@@ -418,13 +292,16 @@ class VLLMRolloutEngine(RolloutEngine):
         self._check()
         # Our own record of in-flight requests is exact; vLLM's scheduler stats say how
         # those split into running and waiting, and how full the KV cache is.
-        inflight = len(self._live)
+        inflight = len(self._inflight)
         sched = self._sched
         waiting = min(inflight, sched.num_waiting_reqs) if sched is not None else 0
         if inflight and sched is not None:
             kv_use = float(sched.kv_cache_usage)
-        else:  # the same unit as vLLM's: blocks, not tokens
-            kv_use = self._blocks_in_use() / self._num_blocks if self._num_blocks else 0.0
+        elif self._num_blocks:  # the same unit as vLLM's: whole blocks, not tokens
+            b = self._block_size or 1
+            kv_use = self._inflight.held_tokens(b) / b / self._num_blocks
+        else:
+            kv_use = 0.0
         return EngineStats(
             running=inflight - waiting,
             waiting=waiting,

@@ -255,32 +255,6 @@ def test_vllm_failing_to_start_names_the_cause(model_dir):
         asyncio.run(eng.start())
 
 
-def test_weight_files_of_dead_engine_processes_are_removed(monkeypatch, tmp_path):
-    """tmpfs is RAM: a replica killed mid-update leaves its weight file behind; the next
-    engine to start on the node removes the directories of processes that are gone."""
-    import subprocess
-    import sys
-
-    from laminar_vllm import engine as mod
-
-    monkeypatch.setattr(mod, "_SHM", tmp_path)
-    gone = subprocess.run(
-        [sys.executable, "-c", "import os; print(os.getpid())"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.strip()
-    (tmp_path / f"laminar-vllm-{gone}").mkdir()
-    (tmp_path / f"laminar-vllm-{gone}" / "r0-v3-x.safetensors").write_bytes(b"w")
-    mine = mod._own_dir()
-    (mine / "r1-v4-y.safetensors").write_bytes(b"w")
-    (tmp_path / "laminar-vllm-notapid").mkdir()
-    mod._remove_orphans()
-    assert not (tmp_path / f"laminar-vllm-{gone}").exists()
-    assert (mine / "r1-v4-y.safetensors").exists()  # this process's own: kept
-    assert (tmp_path / "laminar-vllm-notapid").exists()  # not ours to judge
-
-
 @pytest.mark.skipif(CORE != "auto", reason="this is the in-process rerun itself")
 def test_engine_core_in_this_process():
     """``engine_core: inproc`` (what a Ray replica actor on CPU runs): the lifecycle and
