@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from laminar_core.interfaces import BuildContext, TensorWeights, TrainerContext, build
+from laminar_core.net import free_port
 from laminar_core.plugins import default_manager
 from laminar_core.runtime.ray_calls import (
     detach_resource_tracker,
@@ -114,14 +115,9 @@ class TrainerHost:
 
     def rendezvous(self) -> str:
         """``tcp://ip:port`` on this node for torch.distributed's rendezvous (rank 0)."""
-        import socket
-
         import ray
 
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        return f"tcp://{ray.util.get_node_ip_address()}:{port}"
+        return f"tcp://{ray.util.get_node_ip_address()}:{free_port('')}"
 
     async def setup(self, init_method: str, options: dict) -> None:
         ctx = TrainerContext(

@@ -29,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import math
 import random
-import socket
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -39,6 +38,7 @@ from typing import Any
 import torch
 
 from laminar_core.interfaces import BuildContext, TrainerContext, TrainerEngine, build
+from laminar_core.net import free_port
 from laminar_core.types import FinishReason, Group, TrainBatch, Trajectory
 
 __all__ = ["REQUIRED_METRICS", "check_trainer_engine", "contract_batch"]
@@ -125,7 +125,7 @@ async def check_trainer_engine(
         raise ValueError(f"world_size must be >= 1 (got {world_size})")
     Path(workdir).mkdir(parents=True, exist_ok=True)
     spec = _Spec(engine, str(model_dir), str(workdir), tuple(overrides), tolerance)
-    init = f"tcp://127.0.0.1:{_free_port()}"
+    init = f"tcp://127.0.0.1:{free_port()}"
     if not (world_size > 1 if spawn is None else spawn):
         ranks = [await _rank_body(spec, 0, 1, init)]
     else:
@@ -170,12 +170,6 @@ class _Spec:
     workdir: str
     overrides: tuple[str, ...]
     tolerance: float
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _spawn(spec: _Spec, world: int, init: str, timeout_s: float) -> list[dict[str, Any]]:

@@ -18,7 +18,6 @@ import asyncio
 import importlib.util
 import json
 import math
-import socket
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
@@ -35,6 +34,7 @@ from laminar_core import (
     TrainerEngine,
     Trajectory,
     add_logprob_agreement,
+    free_port,
     model_dir,
     to_device,
 )
@@ -62,12 +62,6 @@ from laminar_fsdp.ulysses import gather_sequence
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _STATE_FILE = "trainer_state.json"
 T = TypeVar("T")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class FSDPTrainerEngine(TrainerEngine):

@@ -3,15 +3,8 @@
 from __future__ import annotations
 
 import random
-import socket
 
 from laminar_core import FinishReason, Group, TrainBatch, Trajectory, load_config
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def config(model_dir: str, *extra: str):

@@ -7,20 +7,21 @@ from __future__ import annotations
 import asyncio
 import os
 import random
-import socket
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
-from laminar_core import FinishReason, Group, TrainBatch, TrainerContext, Trajectory, load_config
+from laminar_core import (
+    FinishReason,
+    Group,
+    TrainBatch,
+    TrainerContext,
+    Trajectory,
+    free_port,
+    load_config,
+)
 from laminar_fsdp import FSDPOptions, FSDPTrainerEngine
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _batch(vocab: int, version: int = 0) -> TrainBatch:
@@ -108,7 +109,7 @@ def test_two_gloo_ranks_train_export_and_checkpoint(tiny_model, tmp_path):
     ctx = mp.get_context("spawn")
     manager = ctx.Manager()
     out = manager.dict()
-    port = _free_port()
+    port = free_port()
     procs = [
         ctx.Process(target=_rank, args=(r, 2, port, tiny_model, str(tmp_path / "ckpt"), out))
         for r in range(2)

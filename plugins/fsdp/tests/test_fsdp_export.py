@@ -10,8 +10,8 @@ import os
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from fsdp_batches import free_port
 
+from laminar_core import free_port
 from laminar_fsdp.export import WeightStream, export_buckets, plan_buckets
 
 # rows 5 over 2 ranks: 3 + 2; rows 1: 1 + 0; a vector; a square matrix; a 3-D tensor

@@ -15,9 +15,9 @@ import os
 import pytest
 import torch
 import torch.multiprocessing as mp
-from fsdp_batches import config, free_port, long_tail_batch
+from fsdp_batches import config, long_tail_batch
 
-from laminar_core import TrainerContext
+from laminar_core import TrainerContext, free_port
 from laminar_fsdp import FSDPOptions, FSDPTrainerEngine
 
 # 24 real tokens per rank: a row of 48 split at column 24, through the middle of trajectories

@@ -22,7 +22,6 @@ import asyncio
 import functools
 import itertools
 import json
-import socket
 import warnings
 from collections.abc import AsyncIterator, Callable
 from datetime import timedelta
@@ -39,6 +38,7 @@ from laminar_core import (
     TrainerEngine,
     Trajectory,
     add_logprob_agreement,
+    free_port,
     model_dir,
     to_device,
 )
@@ -70,12 +70,6 @@ from laminar_megatron.options import MegatronOptions
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _STATE_FILE = "laminar_megatron.json"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # megatron-core announces its fallbacks from Apex / Transformer Engine to torch at import and

@@ -17,24 +17,18 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
+from laminar_core import free_port
 from laminar_core.models import build_tiny_model
 from laminar_core.testing import check_trainer_engine, contract_batch
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 TOL = 1e-4  # float32 log-probs / losses
 BASE = ["trainer.megatron.lr=1e-3", "trainer.megatron.micro_batch_tokens=40"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _gpus_for(ranks: int) -> None:
@@ -147,7 +141,7 @@ def _vocab_parallel_rank(rank: int, port: int, out: dict) -> None:
 def test_vocab_parallel_logprobs_equal_the_gathered_ones():
     ctx = mp.get_context("spawn")
     out = ctx.Manager().dict()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_vocab_parallel_rank, args=(r, port, out)) for r in range(2)]
     for p in procs:
         p.start()
@@ -174,7 +168,7 @@ def _engine(model: str, **opts):
 async def _setup(eng, cfg) -> None:
     from laminar_core import TrainerContext
 
-    init = f"tcp://127.0.0.1:{_free_port()}"
+    init = f"tcp://127.0.0.1:{free_port()}"
     await eng.setup(TrainerContext(0, 1, eng.opt, cfg.algorithm, {"init_method": init}))
 
 
