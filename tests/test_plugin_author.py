@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,7 +29,7 @@ from laminar_core.plugins import PluginManager, builtins, hookimpl, reset_defaul
 from laminar_core.runtime.local import build_local_run
 from laminar_core.sim.clock import run_virtual
 from laminar_core.sim.rollout import SimRolloutEngine
-from laminar_core.testing import check_rollout_engine
+from laminar_core.testing import ContractError, check_rollout_engine
 
 ROOT = Path(__file__).resolve().parent.parent
 GUIDE = ROOT / "docs" / "plugins.md"
@@ -222,6 +223,93 @@ def test_kit_fails_an_engine_that_blocks_the_event_loop(hfgen: type, tiny: str) 
 
     with pytest.raises(AssertionError, match="the engine blocks the event loop"):
         asyncio.run(_kit(Blocking, tiny))
+
+
+def _decodes_in_a_background_task(hfgen: type) -> type:
+    class BackgroundDecode(hfgen):
+        """``generate`` awaits, while one background task decodes the queued trajectories
+        on the event loop (the second outside author's engine)."""
+
+        async def start(self):  # type: ignore[no-untyped-def]
+            await super().start()
+            self.queue: asyncio.Queue = asyncio.Queue()
+            self.worker = asyncio.ensure_future(self.decode_queued())
+
+        async def decode_queued(self):  # type: ignore[no-untyped-def]
+            while True:
+                live, done = await self.queue.get()
+                live.started = True
+                done.set_result(self._decode(live))  # on the loop: nothing else runs meanwhile
+
+        async def generate(self, request):  # type: ignore[no-untyped-def]
+            with self.inflight.track(request, self.version, started=False) as live:
+                done = asyncio.get_running_loop().create_future()
+                self.queue.put_nowait((live, done))
+                live.finish = await done
+            return self.inflight.trajectory(live)
+
+        async def stop(self):  # type: ignore[no-untyped-def]
+            self.worker.cancel()
+            await super().stop()
+
+    return BackgroundDecode
+
+
+@pytest.mark.parametrize("max_block_s", [0.5, 60.0], ids=["held too long", "hid the abort"])
+def test_kit_names_a_background_task_that_blocks_the_event_loop(
+    hfgen: type, tiny: str, max_block_s: float
+) -> None:
+    """Without strict: it used to pass with abort and resume skipped ("the long trajectory
+    finished first"), and with ``strict=True`` it was told to give long_tokens room. With a
+    generous ``max_block_s`` the kit still tells a trajectory the engine hid from it (the loop
+    held for most of its life) from one that was too short."""
+    engine = _decodes_in_a_background_task(hfgen)
+    with pytest.raises(ContractError, match="the engine blocks the event loop") as e:
+        asyncio.run(
+            check_rollout_engine(engine, model_dir=tiny, max_tokens=32, max_block_s=max_block_s)
+        )
+    msg = str(e.value)
+    assert re.search(r"\(in .*test_plugin_author\.py:\d+ \(decode_queued\), at ", msg), msg
+    assert "Give them room" not in msg
+    if max_block_s > 1:
+        assert "before the kit could see it in flight" in msg, msg
+
+
+_BROKEN_UNDER_O = """
+from laminar_core.sim.clock import run_virtual
+from laminar_core.sim.rollout import SimRolloutEngine
+from laminar_core.testing import ContractError, check_rollout_engine
+
+assert False, "python -O keeps asserts"  # the interpreter really strips them
+
+
+class DropsMetadata(SimRolloutEngine):
+    async def generate(self, request):
+        traj = await super().generate(request)
+        traj.metadata = {}
+        return traj
+
+
+try:
+    run_virtual(check_rollout_engine(DropsMetadata, options={"decode_step_s": 0.01}))
+except ContractError as e:
+    print("failed:", e)
+else:
+    print("passed")
+"""
+
+
+def test_the_kit_checks_under_python_O() -> None:
+    """``python -O`` strips ``assert`` statements: a kit made of them passed a broken engine
+    while checking nothing."""
+    out = subprocess.run(
+        [sys.executable, "-O", "-c", _BROKEN_UNDER_O],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    ).stdout
+    assert out.startswith("failed: t0: Trajectory.metadata lacks the request's"), out
 
 
 def test_kit_reports_what_it_skipped() -> None:

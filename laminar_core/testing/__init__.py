@@ -1,13 +1,15 @@
 """Contract tests a plugin author runs against their own engine (see docs/plugins.md).
 
 Each ``check_*`` coroutine drives an engine through its interface's lifecycle and raises
-``AssertionError`` naming the broken rule. Use them from pytest::
+``ContractError`` (an ``AssertionError``, raised explicitly: a kit checks the same under
+``python -O``) naming the broken rule and the likely fix. Use them from pytest::
 
     from laminar_core.testing import check_rollout_engine
 
     def test_my_engine_contract(tiny_model_dir):
-        report = asyncio.run(check_rollout_engine(MyEngine, model_dir=tiny_model_dir))
-        assert not report.skipped, report
+        report = asyncio.run(
+            check_rollout_engine(MyEngine, model_dir=tiny_model_dir, strict=True)
+        )  # strict: a skipped check fails too
 
 A simulated engine runs under ``laminar_core.sim.clock.run_virtual`` instead of
 ``asyncio.run``.
@@ -22,12 +24,13 @@ from laminar_core.testing.relay import (
     make_weights,
     share_version,
 )
-from laminar_core.testing.report import KitReport
+from laminar_core.testing.report import ContractError, KitReport
 from laminar_core.testing.rollout import check_rollout_engine
 from laminar_core.testing.trainer import check_trainer_engine, contract_batch
 from laminar_core.testing.transport import check_transport
 
 __all__ = [
+    "ContractError",
     "HFReference",
     "KitReport",
     "assert_loaded",

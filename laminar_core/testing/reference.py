@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from laminar_core.interfaces import BuildContext, RolloutEngine, build
+from laminar_core.testing.report import require
 
 
 class HFReference:
@@ -138,7 +139,11 @@ def engine_from_config(
     pm = PluginManager()
     pm.register(builtins, name="laminar-core")
     pm.register(_UnderTest(), name="under-test")
-    assert not pm.failures, pm.failures
+    require(
+        not pm.failures,
+        f"{cls.__qualname__} could not be registered as rollout engine {name!r}: "
+        f"{'; '.join(map(str, pm.failures))}",
+    )
     raw: dict[str, Any] = {"rollout": {"engine": name, name: dict(options or {})}}
     if model_dir is not None:
         raw["model"] = {"path": str(model_dir)}

@@ -27,6 +27,7 @@ from laminar_core.relay.packing import BucketPacker, WeightIntegrityError
 from laminar_core.relay.process import RelayProcess
 from laminar_core.relay.shm import SharedVersionStore, SharedWeights, load_shared
 from laminar_core.relay.tier import RelayTier
+from laminar_core.testing.report import ContractError, require
 from laminar_core.types import Bucket
 
 log = logging.getLogger(__name__)
@@ -46,12 +47,24 @@ def make_weights(version: int, scale: int = 1) -> list[tuple[str, torch.Tensor]]
 def assert_loaded(root: str | Path, relay_id: int, version: int, scale: int = 1) -> None:
     """The node's shared copy holds exactly ``make_weights(version)``."""
     manifest, named = load_shared(root, relay_id)
-    assert manifest.version == version, f"relay {relay_id} shares {manifest.version}, not {version}"
+    require(
+        manifest.version == version,
+        f"relay {relay_id} shares version {manifest.version} on its node, not {version}",
+    )
     got = dict(named)
     for name, want in make_weights(version, scale):
-        t = got[name]
-        assert t.dtype == want.dtype and t.shape == want.shape, name
-        assert torch.equal(t, want), f"relay {relay_id} version {version}: {name} differs"
+        t = got.get(name)
+        require(
+            t is not None and t.dtype == want.dtype and t.shape == want.shape,
+            f"relay {relay_id} version {version}: {name} is "
+            f"{None if t is None else (t.dtype, tuple(t.shape))}, sent as "
+            f"{(want.dtype, tuple(want.shape))}",
+        )
+        require(
+            torch.equal(t, want),
+            f"relay {relay_id} version {version}: {name} differs from what was sent: the "
+            "transport changed bytes on the way",
+        )
 
 
 class _Tampering(WeightTransport):
@@ -133,24 +146,35 @@ async def check_relay_chain(
         try:
             res = await asyncio.wait_for(tier.publish(version, weights), timeout_s)
         except WeightIntegrityError as e:
-            assert match in str(e), e
+            require(match in str(e), f"{what} was rejected, but not for {match!r}: {e}")
             return
         await tier.wait_broadcast()
-        assert stage and res.error is not None, f"{what} was accepted"
-        assert match in res.error, res.error
+        require(
+            stage and res.error is not None,
+            f"{what} was accepted: a transport delivers a bucket's bytes and header as sent, "
+            "so the relay's checks see what was sent",
+        )
+        require(match in res.error, f"{what} was rejected, but not for {match!r}: {res.error}")
 
     async def settle(want: list[int]) -> None:
         await tier.wait_broadcast()
         got = await _versions(hosts)
-        assert got == want, f"relays hold {got}, expected {want}"
+        require(got == want, f"the relays hold versions {got}, expected {want}")
 
     try:
         await asyncio.wait_for(tier.open(), timeout_s)
         for v in (1, 2):
             res = await asyncio.wait_for(tier.publish(v, make_weights(v)), timeout_s)
-            assert res.buckets == chunks and res.master_rank == 1
+            require(
+                res.buckets == chunks and res.master_rank == 1,
+                f"version {v} went out as {res.buckets} buckets to rank {res.master_rank}; "
+                f"expected {chunks} to rank 1",
+            )
             await settle([v] * relays)
-            assert res.error is None and res.master_seconds is not None
+            require(
+                res.error is None and res.master_seconds is not None,
+                f"version {v}: the push failed: {res.error}",
+            )
             for h in hosts:
                 assert_loaded(shm_root, h.relay_id, v)
         for mode in ("flip", "truncate"):
@@ -167,9 +191,10 @@ async def check_relay_chain(
         await settle([3] * relays)
         try:
             await tier.publish(2, make_weights(2))
-            raise AssertionError("an older version was accepted")
         except WeightIntegrityError as e:
-            assert "not newer" in str(e), e
+            require("not newer" in str(e), f"an older version was rejected, but with: {e}")
+        else:
+            raise ContractError("an older version (2 after 3) was accepted")
         for h in hosts:
             assert_loaded(shm_root, h.relay_id, 3)
     finally:
@@ -213,23 +238,37 @@ async def check_relay_faults(
         await asyncio.wait_for(tier.open(), timeout_s)
         await asyncio.wait_for(tier.publish(1, make_weights(1)), timeout_s)
         await tier.wait_broadcast()
-        assert await _versions(hosts) == [1, 1, 1]
+        versions = await _versions(hosts)
+        require(versions == [1, 1, 1], f"the relays hold versions {versions}, expected 1 each")
         # B dies on receiving bucket 1 of version 2
         await asyncio.wait_for(tier.publish(2, make_weights(2)), timeout_s)
         await asyncio.wait_for(tier.wait_broadcast(), timeout_s)
-        assert not hosts[1].is_alive(), "relay B should have crashed"
-        assert tier.chain_ranks == [1, 3], tier.chain_ranks
-        assert await _versions(hosts) == [2, -2, 2], "C was not repaired to version 2"
+        require(not hosts[1].is_alive(), "relay B should have crashed (die_at) and did not")
+        require(
+            tier.chain_ranks == [1, 3],
+            f"with B gone the chain is {tier.chain_ranks}, expected A -> C ([1, 3]): "
+            "connect(peers) must link to a new next hop",
+        )
+        versions = await _versions(hosts)
+        require(
+            versions == [2, -2, 2],
+            f"the relays hold versions {versions} (-2: dead): C was not repaired to version 2",
+        )
         # A could not forward (B was gone) but holds it; C got it by repair: both are ready
-        assert {(1, 2), (3, 2)} <= set(ready), ready
+        require({(1, 2), (3, 2)} <= set(ready), f"version 2 was not shared by A and C: {ready}")
         assert_loaded(shm_root, 2, 2)
         # A (master) dies on receiving bucket 1 of version 3; the export is replayed to C
         res = await asyncio.wait_for(tier.publish(3, lambda: make_weights(3)), timeout_s)
         await asyncio.wait_for(tier.wait_broadcast(), timeout_s)
-        assert not hosts[0].is_alive(), "relay A should have crashed"
-        assert res.master_rank == 3 and tier.master_rank == 3 and masters == [1, 3]
-        assert res.error is None, res.error
-        assert await _versions(hosts) == [-2, -2, 3]
+        require(not hosts[0].is_alive(), "relay A should have crashed (die_at) and did not")
+        require(
+            res.master_rank == 3 and tier.master_rank == 3 and masters == [1, 3],
+            f"with A gone the master is {res.master_rank} ({tier.master_rank}, masters "
+            f"{masters}); expected C (rank 3)",
+        )
+        require(res.error is None, f"version 3 after the master failed: {res.error}")
+        versions = await _versions(hosts)
+        require(versions == [-2, -2, 3], f"the relays hold versions {versions}, expected C at 3")
         assert_loaded(shm_root, 2, 3)
         await asyncio.wait_for(tier.publish(4, make_weights(4)), timeout_s)
         await tier.wait_broadcast()

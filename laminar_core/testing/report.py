@@ -1,8 +1,23 @@
-"""What a conformance kit checked and what it could not (with why)."""
+"""What a conformance kit checked and what it could not (with why), and how it fails."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+
+class ContractError(AssertionError):
+    """A conformance kit found a broken rule; the message names it and the likely fix.
+
+    Raised explicitly, never by an ``assert`` statement, so a kit checks the same under
+    ``python -O`` (which strips asserts). An ``AssertionError``: pytest reports it as a
+    failed test, and ``pytest.raises(AssertionError)`` still catches it.
+    """
+
+
+def require(ok: object, message: str) -> None:
+    """Raise ``ContractError(message)`` unless ``ok``: a kit's check, kept under ``-O``."""
+    if not ok:
+        raise ContractError(message)
 
 
 @dataclass

@@ -2,26 +2,34 @@
 
 ``check_rollout_engine`` drives two replicas of the engine (one after the other, never both
 at once, so a GPU engine fits) through the lifecycle the rollout manager drives, and raises
-``AssertionError`` naming the broken rule and the fix. It returns a ``KitReport`` of what it
+``ContractError`` (an ``AssertionError``, raised explicitly: the kit checks the same under
+``python -O``) naming the broken rule and the fix. It returns a ``KitReport`` of what it
 checked and what it skipped, and why: nothing is skipped silently.
 
 Given ``model_dir`` (the Hugging Face directory the engine serves; use a tiny model, e.g.
-``laminar_core.models.build_tiny_model``), it also checks the engine against a transformers
+``laminar_core.build_tiny_model``), it also checks the engine against a transformers
 forward of the same weights: log-probs are ``log_softmax(logits / temperature)`` of the
 sampled token; weights loaded as ``TensorWeights`` and as ``SharedWeights`` are the ones it
 then generates with (an engine that ignores a load fails); a version it cannot load raises
 and changes nothing; the end-of-sequence token ends the response and is kept in it; stop
 strings stop it; a resumed trajectory continues from prompt + prefix.
+
+While trajectories are generating, a watchdog measures how long the engine's code holds the
+event loop at a time (``generate`` itself, or a background task that decodes for it): more
+than ``max_block_s`` fails, naming the code; so does a long trajectory that could not be
+caught in flight because the engine held the loop for most of its life.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import math
 import shutil
 import tempfile
-from collections.abc import Awaitable, Callable, Iterable
+import time
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -34,7 +42,8 @@ from laminar_core.interfaces import (
     TensorWeights,
     WeightsRef,
 )
-from laminar_core.testing.report import KitReport
+from laminar_core.testing.loopwatch import LoopWatch, Stall
+from laminar_core.testing.report import ContractError, KitReport, require
 from laminar_core.types import (
     FinishReason,
     GenerationRequest,
@@ -47,6 +56,10 @@ T = TypeVar("T")
 
 CHECK_TEMPERATURE = 0.7  # the log-prob checks sample at this temperature: scaling must show
 ATTEMPTS = 3  # tries at catching a long trajectory before it finishes
+# A long trajectory that finished unseen while engine code held the loop for at least this
+# share of its life (and at least BLOCKED_MIN_S) was hidden by the engine, not too short.
+BLOCKED_SHARE = 0.5
+BLOCKED_MIN_S = 0.05
 DEFAULT_TEXT = "The kit asks: 12+7="  # the prompt when none is given (with model_dir)
 
 
@@ -65,6 +78,7 @@ async def check_rollout_engine(
     logprob_atol: float = 1e-3,
     timeout_s: float = 300.0,
     strict: bool = False,
+    max_block_s: float = 0.5,
 ) -> KitReport:
     """Check ``engine`` against the ``RolloutEngine`` contract; returns a ``KitReport``.
 
@@ -86,6 +100,8 @@ async def check_rollout_engine(
 
     ``expect_partial``: fail (instead of skipping) when the long trajectory finished before
     every abort. ``strict``: fail when anything was skipped. ``timeout_s``: per call.
+    ``max_block_s``: the longest the engine's code may hold the event loop at a time while
+    trajectories are generating.
     """
     kit = _Kit(
         engine,
@@ -99,13 +115,16 @@ async def check_rollout_engine(
         long_tokens or 4 * max_tokens,
         logprob_atol,
         timeout_s,
+        max_block_s,
     )
+    kit.watch.start()
     try:
         await kit.run(expect_partial)
     finally:
+        kit.watch.stop()
         kit.cleanup()
     if strict and kit.report.skipped:
-        raise AssertionError(f"strict: checks were skipped\n{kit.report}")
+        raise ContractError(f"strict: checks were skipped\n{kit.report}")
     return kit.report
 
 
@@ -123,6 +142,7 @@ class _Kit:
         long_tokens: int,
         atol: float,
         timeout_s: float,
+        max_block_s: float,
     ) -> None:
         label = getattr(engine, "__qualname__", None) or type(engine).__name__
         self.report = KitReport(label)
@@ -159,6 +179,8 @@ class _Kit:
         self.poll_s = poll_s
         self.atol = atol
         self.timeout_s = timeout_s
+        self.max_block_s = max_block_s
+        self.watch = LoopWatch()
         self.shm: str | None = None
         self.real = False  # the engine returns token ids
 
@@ -171,7 +193,37 @@ class _Kit:
         try:
             return await asyncio.wait_for(aw, self.timeout_s)
         except asyncio.TimeoutError:
-            raise AssertionError(f"{what} did not return within {self.timeout_s:g} s") from None
+            raise ContractError(
+                f"{what} did not return within {self.timeout_s:g} s (timeout_s): a call that "
+                "hangs stalls the replica's driver"
+            ) from None
+
+    @contextlib.contextmanager
+    def watching(self, what: str) -> Iterator[_Watched]:
+        """Fail when the engine's code holds the event loop longer than ``max_block_s`` at a
+        time during the block (not nested: the kit's own work runs outside); the longest
+        stall is the yielded object's ``stall`` after it."""
+        watched = _Watched()
+        self.watch.arm()
+        try:
+            yield watched
+        finally:
+            stall = watched.stall = self.watch.disarm()
+            if stall.held_s > self.max_block_s:
+                raise self.blocking(
+                    f"during {what}, code on the event loop held it for {stall.held_s:.2f} s "
+                    f"(max_block_s={self.max_block_s:g})",
+                    stall,
+                )
+
+    @staticmethod
+    def blocking(what: str, stall: Stall, more: str = "") -> ContractError:
+        return ContractError(
+            f"{what} without yielding ({stall.at()}): the engine blocks the event loop (the "
+            "manager, the heartbeats and the other replicas stop meanwhile, and abort and "
+            "partials wait); run the model off the loop (asyncio.to_thread, or a worker "
+            f"process), also in a background task that decodes for generate{more}"
+        )
 
     def request(
         self,
@@ -196,55 +248,76 @@ class _Kit:
     def check_traj(self, t: Trajectory, req: GenerationRequest, version: int) -> None:
         """The rules every finished trajectory keeps."""
         tid = req.traj_id
-        assert isinstance(t, Trajectory), f"generate({tid}) returned {type(t).__name__}"
-        assert t.traj_id == tid, f"generate({tid}) returned trajectory {t.traj_id!r}"
-        assert t.group_id == req.group_id, f"{tid}: group_id {t.group_id!r} is not the request's"
-        assert t.finish_reason in (FinishReason.STOP, FinishReason.LENGTH), (
+        require(
+            isinstance(t, Trajectory),
+            f"generate({tid}) returned {type(t).__name__}: return a laminar_core.Trajectory",
+        )
+        require(
+            t.traj_id == tid and t.group_id == req.group_id,
+            f"generate({tid}) returned trajectory {t.traj_id!r} of group {t.group_id!r}: "
+            f"copy the request's traj_id and group_id ({tid!r}, {req.group_id!r})",
+        )
+        require(
+            t.finish_reason in (FinishReason.STOP, FinishReason.LENGTH),
             f"{tid}: finish_reason {t.finish_reason} (a trajectory nobody aborted ends STOP or "
-            f"LENGTH){': ' + t.error if t.error else ''}"
+            f"LENGTH){': ' + t.error if t.error else ''}",
         )
         limit = req.sampling.max_tokens
-        assert t.num_response_tokens >= 1, (
+        require(
+            t.num_response_tokens >= 1,
             f"{tid}: no response tokens; a finished trajectory has at least one (a response "
-            "that ended on EOS keeps the EOS token, with its log-prob)"
+            "that ended on EOS keeps the EOS token, with its log-prob)",
         )
-        assert t.num_response_tokens <= limit, (
+        require(
+            t.num_response_tokens <= limit,
             f"{tid}: {t.num_response_tokens} response tokens; max_tokens is {limit} (it bounds "
-            "the whole response, a resumed prefix included)"
+            "the whole response, a resumed prefix included)",
         )
-        if t.finish_reason is FinishReason.LENGTH:
-            assert t.num_response_tokens == limit, (
-                f"{tid}: finish_reason LENGTH after {t.num_response_tokens} of {limit} tokens"
-            )
-        assert t.version == version and t.versions == [version], (
+        require(
+            t.finish_reason is not FinishReason.LENGTH or t.num_response_tokens == limit,
+            f"{tid}: finish_reason LENGTH after {t.num_response_tokens} of {limit} tokens "
+            "(LENGTH means max_tokens was reached; an end-of-sequence token or a stop string "
+            "is STOP)",
+        )
+        require(
+            t.version == version and t.versions == [version],
             f"{tid}: tagged version={t.version}, versions={t.versions}; the engine holds "
-            f"version {version} (tag every trajectory with the version that generated it)"
+            f"version {version} (tag every trajectory with the version that generated it)",
         )
         missing = {k: v for k, v in req.metadata.items() if t.metadata.get(k, _NONE) != v}
-        assert not missing, (
+        require(
+            not missing,
             f"{tid}: Trajectory.metadata lacks the request's {sorted(missing)}: copy "
             "request.metadata into the Trajectory (the reward reads the prompt's row from it; "
-            "without it every reward fails and nothing trains)"
+            "without it every reward fails and nothing trains)",
         )
         if t.response_ids:
             self.real = True
-        if self.real or self.ref is not None:
-            assert t.response_ids, f"{tid}: no response_ids (a real engine returns its tokens)"
-            assert len(t.response_ids) == t.num_response_tokens == len(t.logprobs), (
-                f"{tid}: {len(t.response_ids)} response_ids, num_response_tokens "
-                f"{t.num_response_tokens}, {len(t.logprobs)} logprobs: one log-prob per token"
-            )
-            assert list(t.prompt_ids) == list(req.prompt_ids), (
-                f"{tid}: prompt_ids differ from the request's (the trainer scores prompt + "
-                "response)"
-            )
-            bad = [x for x in t.logprobs if not (math.isfinite(x) and x <= 1e-6)]
-            assert not bad, f"{tid}: log-probs must be finite and <= 0, got {bad[:3]}"
+        if not (self.real or self.ref is not None):
+            return
+        require(t.response_ids, f"{tid}: no response_ids (a real engine returns its tokens)")
+        require(
+            len(t.response_ids) == t.num_response_tokens == len(t.logprobs),
+            f"{tid}: {len(t.response_ids)} response_ids, num_response_tokens "
+            f"{t.num_response_tokens}, {len(t.logprobs)} logprobs: one log-prob per token",
+        )
+        require(
+            list(t.prompt_ids) == list(req.prompt_ids),
+            f"{tid}: prompt_ids differ from the request's: return the request's prompt_ids "
+            "(the trainer scores prompt + response)",
+        )
+        bad = [x for x in t.logprobs if not (math.isfinite(x) and x <= 1e-6)]
+        require(
+            not bad,
+            f"{tid}: log-probs must be finite and <= 0, got {bad[:3]}: report "
+            "log_softmax(logits / temperature) of each sampled token",
+        )
 
     async def generate_all(
         self, engine: RolloutEngine, reqs: list[GenerationRequest], version: int, what: str
     ) -> list[Trajectory]:
-        outs = await self.call(what, asyncio.gather(*(engine.generate(r) for r in reqs)))
+        with self.watching(what):
+            outs = await self.call(what, asyncio.gather(*(engine.generate(r) for r in reqs)))
         for t, r in zip(outs, reqs, strict=True):
             self.check_traj(t, r, version)
         return outs
@@ -258,7 +331,8 @@ class _Kit:
     ) -> None:
         """The engine's log-probs are the reference's under the current weights; ``before``:
         the weights the engine held before a load (to name an ignored load as such)."""
-        assert self.ref is not None
+        if self.ref is None:  # the kit's own bug, not the engine's
+            raise RuntimeError("check_logprobs needs model_dir")
 
         def gap(temp: float, state: dict[str, torch.Tensor] | None = None) -> float:
             worst = 0.0
@@ -271,8 +345,10 @@ class _Kit:
         diff = gap(temperature)
         if diff <= self.atol:
             if before is not None:
-                assert gap(temperature, before) > self.atol, (
-                    f"logprob_atol={self.atol:g} is too large to tell the versions apart"
+                require(
+                    gap(temperature, before) > self.atol,
+                    f"logprob_atol={self.atol:g} is too large to tell the versions apart: "
+                    "pass a smaller one",
                 )
             return
         if before is not None and gap(temperature, before) <= self.atol:
@@ -290,7 +366,7 @@ class _Kit:
                 "a log-prob is log_softmax(logits / temperature) of the sampled token, in the "
                 "weights the engine holds"
             )
-        raise AssertionError(
+        raise ContractError(
             f"{what}: the engine's log-probs differ from a transformers forward of those "
             f"weights by up to {diff:.3g} (logprob_atol={self.atol:g}); {hint}"
         )
@@ -299,9 +375,10 @@ class _Kit:
         kind = type(weights).__name__
         await self.call(f"update_weights({kind})", engine.update_weights(weights))
         got = (await self.call("stats", engine.stats())).version
-        assert got == weights.version, (
+        require(
+            got == weights.version,
             f"after update_weights({kind} v{weights.version}) stats().version is {got}: the "
-            "engine holds weights.version once update_weights returns"
+            "engine holds weights.version once update_weights returns",
         )
 
     # -- the lifecycle -----------------------------------------------------------------------
@@ -310,8 +387,11 @@ class _Kit:
         await self.call("start", a.start())
         try:
             st = await self.call("stats", a.stats())
-            assert st.running == 0 and st.waiting == 0, f"a fresh engine reports load: {st}"
-            assert 0.0 <= st.kv_use <= 1.0, f"stats().kv_use must be in [0, 1]: {st}"
+            require(
+                st.running == 0 and st.waiting == 0 and 0.0 <= st.kv_use <= 1.0,
+                f"a fresh engine reports {st}: running and waiting count the trajectories in "
+                "flight (none yet), kv_use is the share of the KV cache in use, in [0, 1]",
+            )
             v0 = st.version
             await self.concurrent(a, v0)
             partial = await self.abort_and_resume(a, v0, expect_partial)
@@ -346,10 +426,10 @@ class _Kit:
         self.report.ok("Trajectory.metadata carries request.metadata (rewards read it)")
         self.report.ok("trajectories tagged with the version that generated them")
         if self.real and self.ref is None and not self.model_only:
-            raise AssertionError(
+            raise ContractError(
                 "the engine returns token ids, so the kit must check that it loads weights and "
                 "reports the right log-probs: pass model_dir= (the Hugging Face directory it "
-                "serves; laminar_core.models.build_tiny_model makes one), or model_only=True "
+                "serves; laminar_core.build_tiny_model makes one), or model_only=True "
                 "for an engine that only models weights"
             )
         if self.ref is not None:
@@ -363,81 +443,34 @@ class _Kit:
     ) -> tuple[GenerationRequest, PartialTrajectory] | None:
         finished: list[str] = []
         for attempt in range(ATTEMPTS):
-            tid = f"long{attempt}"
-            req = self.request(tid, self.long_tokens, 1.0, key=10_000 + attempt)
-            task = asyncio.ensure_future(a.generate(req))
-            await asyncio.sleep(0)  # generate runs up to its first await
-            if task.done() and task.exception() is None:
-                raise AssertionError(
-                    f"generate ran a {self.long_tokens}-token request to its end without once "
-                    "yielding to the event loop: the engine blocks the event loop (the "
-                    "manager, the heartbeats and the other replicas stop meanwhile); run the "
-                    "model off the loop (asyncio.to_thread, or a worker process)"
+            req = self.request(f"long{attempt}", self.long_tokens, 1.0, key=10_000 + attempt)
+            with self.watching(f"the {self.long_tokens}-token request {req.traj_id}") as watched:
+                began = time.monotonic()
+                caught = await self.catch_and_abort(a, req, v0)
+                life = time.monotonic() - began
+            if isinstance(caught, PartialTrajectory):
+                self.report.ok("partials() reports progress without stopping the trajectory")
+                self.report.ok("abort() returns what was produced; its generate returns ABORTED")
+                self.report.ok("stats() counts a running trajectory, and no longer once aborted")
+                await self.resume(a, req, caught, v0)
+                self.report.ok("a partial resumes (prompt + prefix re-prefilled, prefix kept)")
+                return req, caught
+            finished.append(caught)
+            stall = watched.stall
+            if stall.held_s >= max(BLOCKED_MIN_S, BLOCKED_SHARE * life):
+                raise self.blocking(
+                    f"the {self.long_tokens}-token request {req.traj_id} ended ({caught}) "
+                    "before the kit could see it in flight: code on the event loop held the "
+                    f"loop for {stall.held_s:.2f} s of its {life:.2f} s",
+                    stall,
+                    "; giving long_tokens room would not help",
                 )
-            seen: PartialTrajectory | None = None
-            # poll soon, then back off to poll_s: a small model decodes a long request in
-            # tens of milliseconds, and one fixed interval would let it finish unseen
-            wait = 0.001
-            while not task.done():
-                parts = await self.call("partials", a.partials([tid]))
-                if parts:
-                    assert len(parts) == 1 and parts[0].traj_id == tid, (
-                        f"partials([{tid!r}]) returned {[p.traj_id for p in parts]}"
-                    )
-                    _check_growth(seen, parts[0], "partials()")
-                    seen = parts[0]
-                    if seen.num_response_tokens >= 2:
-                        break
-                await asyncio.sleep(wait)
-                wait = min(2 * wait, self.poll_s)
-            if task.done():
-                t = task.result()
-                finished.append(f"{t.finish_reason.value} after {t.num_response_tokens} tokens")
-                continue
-            st = await self.call("stats", a.stats())
-            assert st.running + st.waiting >= 1, (
-                f"stats() reports no load while {tid} is in flight: {st} (the manager and "
-                "repack read running/waiting/kv_use)"
-            )
-            everyone = await self.call("partials", a.partials(None))
-            assert tid in [p.traj_id for p in everyone], "partials(None) omits a running one"
-            parts = await self.call("abort", a.abort([tid]))
-            done = await self.call(f"the aborted generate({tid})", task)
-            if not parts:
-                assert done.finish_reason is not FinishReason.ABORTED, (
-                    f"abort([{tid!r}]) returned nothing, yet its generate returned ABORTED"
-                )
-                finished.append(f"{done.finish_reason.value} before the abort landed")
-                continue
-            assert len(parts) == 1, f"abort([{tid!r}]) returned {len(parts)} partials"
-            p = parts[0]
-            assert p.traj_id == tid and p.version == v0, (
-                f"abort's partial: traj_id {p.traj_id!r}, version {p.version} (want {tid!r}, {v0})"
-            )
-            _check_growth(seen, p, "abort()")
-            assert done.finish_reason is FinishReason.ABORTED, (
-                f"abort([{tid!r}]) returned its partial but generate returned "
-                f"{done.finish_reason.value}: an aborted trajectory's generate returns "
-                "finish_reason=ABORTED (the manager resumes it elsewhere)"
-            )
-            if done.response_ids or p.response_ids:
-                assert list(done.response_ids) == list(p.response_ids), (
-                    "the ABORTED trajectory's tokens differ from abort's partial"
-                )
-            st = await self.call("stats", a.stats())
-            assert st.running == 0 and st.waiting == 0, f"stats() after the abort: {st}"
-            self.report.ok("partials() reports progress without stopping the trajectory")
-            self.report.ok("abort() returns what was produced; its generate returns ABORTED")
-            self.report.ok("stats() counts a running trajectory, and no longer once aborted")
-            await self.resume(a, req, p, v0)
-            self.report.ok("a partial resumes (prompt + prefix re-prefilled, prefix kept)")
-            return req, p
         why = (
             f"the long trajectory finished before the abort in each of {ATTEMPTS} attempts "
             f"({'; '.join(finished)})"
         )
         if expect_partial:
-            raise AssertionError(
+            raise ContractError(
                 f"{why}, so abort and resume were not checked; the trajectories had finished, "
                 f"abort did not fail. Give them room: long_tokens (now {self.long_tokens}) "
                 "within the engine's context"
@@ -445,20 +478,105 @@ class _Kit:
         self.report.skip("abort / partials / resume", why)
         return None
 
+    async def catch_and_abort(
+        self, a: RolloutEngine, req: GenerationRequest, v0: int
+    ) -> PartialTrajectory | str:
+        """Catch the long request in flight and abort it: its partial, checked, or how it
+        ended before that (it finished first)."""
+        tid = req.traj_id
+        task = asyncio.ensure_future(a.generate(req))
+        await asyncio.sleep(0)  # generate runs up to its first await
+        if task.done() and task.exception() is None:
+            raise ContractError(
+                f"generate ran a {self.long_tokens}-token request to its end without once "
+                "yielding to the event loop: the engine blocks the event loop (the "
+                "manager, the heartbeats and the other replicas stop meanwhile); run the "
+                "model off the loop (asyncio.to_thread, or a worker process)"
+            )
+        seen: PartialTrajectory | None = None
+        # poll soon, then back off to poll_s: a small model decodes a long request in
+        # tens of milliseconds, and one fixed interval would let it finish unseen
+        wait = 0.001
+        while not task.done():
+            parts = await self.call("partials", a.partials([tid]))
+            if parts:
+                require(
+                    len(parts) == 1 and parts[0].traj_id == tid,
+                    f"partials([{tid!r}]) returned {[p.traj_id for p in parts]}: one snapshot "
+                    "per id asked for that is in flight",
+                )
+                _check_growth(seen, parts[0], "partials()")
+                seen = parts[0]
+                if seen.num_response_tokens >= 2:
+                    break
+            await asyncio.sleep(wait)
+            wait = min(2 * wait, self.poll_s)
+        if task.done():
+            t = task.result()
+            return f"{t.finish_reason.value} after {t.num_response_tokens} tokens"
+        st = await self.call("stats", a.stats())
+        require(
+            st.running + st.waiting >= 1,
+            f"stats() reports no load while {tid} is in flight: {st} (the manager and repack "
+            "read running/waiting/kv_use: count the trajectories in flight)",
+        )
+        everyone = await self.call("partials", a.partials(None))
+        require(
+            tid in [p.traj_id for p in everyone],
+            f"partials(None) omits {tid}, which is in flight: None asks for every one",
+        )
+        parts = await self.call("abort", a.abort([tid]))
+        done = await self.call(f"the aborted generate({tid})", task)
+        if not parts:
+            require(
+                done.finish_reason is not FinishReason.ABORTED,
+                f"abort([{tid!r}]) returned nothing, yet its generate returned ABORTED: abort "
+                "returns a partial for every trajectory it stopped",
+            )
+            return f"{done.finish_reason.value} before the abort landed"
+        require(len(parts) == 1, f"abort([{tid!r}]) returned {len(parts)} partials, not 1")
+        p = parts[0]
+        require(
+            p.traj_id == tid and p.version == v0,
+            f"abort's partial: traj_id {p.traj_id!r}, version {p.version}; want {tid!r} and "
+            f"{v0}, the version that generated its tokens",
+        )
+        _check_growth(seen, p, "abort()")
+        require(
+            done.finish_reason is FinishReason.ABORTED,
+            f"abort([{tid!r}]) returned its partial but generate returned "
+            f"{done.finish_reason.value}: an aborted trajectory's generate returns "
+            "finish_reason=ABORTED (the manager resumes it elsewhere)",
+        )
+        require(
+            list(done.response_ids) == list(p.response_ids),
+            "the ABORTED trajectory's tokens differ from abort's partial: abort waits for the "
+            "last tokens the engine hands back, and both hold everything produced",
+        )
+        st = await self.call("stats", a.stats())
+        require(
+            st.running == 0 and st.waiting == 0,
+            f"stats() after the abort: {st}: an aborted trajectory is no longer counted",
+        )
+        return p
+
     async def resume(
         self, engine: RolloutEngine, req: GenerationRequest, p: PartialTrajectory, version: int
     ) -> None:
         r = dataclasses.replace(req, resume=p)
-        t = await self.call(f"generate({req.traj_id}, resume=...)", engine.generate(r))
+        what = f"generate({req.traj_id}, resume=...)"
+        with self.watching(what):
+            t = await self.call(what, engine.generate(r))
         self.check_traj(t, r, version)
-        assert t.num_response_tokens >= p.num_response_tokens, (
-            f"the resumed trajectory has {t.num_response_tokens} tokens, its prefix had "
-            f"{p.num_response_tokens}: resume keeps the prefix"
+        n = len(p.response_ids)
+        require(
+            t.num_response_tokens >= p.num_response_tokens
+            and list(t.response_ids[:n]) == list(p.response_ids)
+            and list(t.logprobs[:n]) == list(p.logprobs),
+            f"the resumed trajectory does not start with its prefix ({p.num_response_tokens} "
+            "tokens): with request.resume, return the prefix's tokens and log-probs as they "
+            "were, then the continuation",
         )
-        if p.response_ids:
-            n = len(p.response_ids)
-            assert list(t.response_ids[:n]) == list(p.response_ids), "resume lost the prefix"
-            assert list(t.logprobs[:n]) == list(p.logprobs), "resume lost the prefix's logprobs"
         if self.ref is not None:
             self.check_logprobs([t], 1.0, "a resumed trajectory (prompt + prefix re-prefilled)")
 
@@ -490,17 +608,20 @@ class _Kit:
             "a greedy generate with a stop string",
         )
         got = list(s.response_ids)
-        assert got == ids[: len(got)], (
+        require(
+            got == ids[: len(got)],
             "two greedy (temperature 0) generations of one prompt differ: temperature 0 "
-            f"is greedy decoding ({ids[:8]}... vs {got[:8]}...)"
+            f"is greedy decoding ({ids[:8]}... vs {got[:8]}...)",
         )
-        assert s.finish_reason is FinishReason.STOP, (
-            f"with stop=[{stop!r}] the greedy response {text!r} ended {s.finish_reason.value}"
+        require(
+            s.finish_reason is FinishReason.STOP,
+            f"with stop=[{stop!r}] the greedy response {text!r} ended {s.finish_reason.value}",
         )
         cut = self.ref.decode(got)
-        assert stop in cut and stop not in self.ref.decode(got[:-1]), (
+        require(
+            stop in cut and stop not in self.ref.decode(got[:-1]),
             f"with stop=[{stop!r}] the response must end at the token that completes the "
-            f"first {stop!r} (that token kept), got {cut!r} from greedy {text!r}"
+            f"first {stop!r} (that token kept), got {cut!r} from greedy {text!r}",
         )
         self.report.ok(rule)
         self.report.ok("temperature 0 is greedy (reproducible)")
@@ -547,13 +668,16 @@ class _Kit:
         except Exception:
             pass
         else:
-            raise AssertionError(
+            raise ContractError(
                 "update_weights(SharedWeights of a version the relay does not share) returned "
                 "normally: it must raise (iterating the reference raises LookupError) and keep "
                 "the weights it has"
             )
-        assert (await self.call("stats", a.stats())).version == v0 + 2, (
-            "a failed update_weights changed the version"
+        held = (await self.call("stats", a.stats())).version
+        require(
+            held == v0 + 2,
+            f"a failed update_weights changed the version to {held} (it was {v0 + 2}): raise "
+            "before changing anything",
         )
         outs = await self.generate_all(a, reqs, v0 + 2, "generate after a failed load")
         self.check_logprobs(outs, temp, "after a failed update_weights")
@@ -570,11 +694,12 @@ class _Kit:
                 a, [self.request("eos", self.max_tokens, 1.0)], v0 + 3, "generate to EOS"
             )
             self.check_logprobs([t], 1.0, "weights that make EOS the first token", before)
-            assert t.finish_reason is FinishReason.STOP and list(t.response_ids) == [eos], (
+            require(
+                t.finish_reason is FinishReason.STOP and list(t.response_ids) == [eos],
                 f"with weights that make EOS (id {eos}) the first token, the response is "
                 f"{list(t.response_ids)[:8]} ({t.finish_reason.value}): the engine stops at "
                 "EOS and keeps it in response_ids with its log-prob (the trainer learns to "
-                "stop from it)"
+                "stop from it)",
             )
             self.report.ok(rule)
 
@@ -585,16 +710,28 @@ class _Kit:
 _NONE = object()
 
 
+class _Watched:
+    """What ``_Kit.watching`` saw: the longest stall, once its block ended."""
+
+    def __init__(self) -> None:
+        self.stall = Stall()
+
+
 def _check_growth(seen: PartialTrajectory | None, p: PartialTrajectory, who: str) -> None:
     """A later snapshot of one trajectory extends the earlier one."""
-    assert len(p.response_ids) == len(p.logprobs), f"{who}: one log-prob per token"
-    if p.response_ids:
-        assert len(p.response_ids) == p.num_response_tokens, f"{who}: num_response_tokens"
+    require(
+        len(p.response_ids) == len(p.logprobs)
+        and (not p.response_ids or len(p.response_ids) == p.num_response_tokens),
+        f"{who}: a snapshot of {len(p.response_ids)} response_ids, {len(p.logprobs)} logprobs, "
+        f"num_response_tokens {p.num_response_tokens}: one log-prob per token, counted (a "
+        "decode thread appending meanwhile: snapshot the tokens that have their log-prob)",
+    )
     if seen is None:
         return
-    assert p.num_response_tokens >= seen.num_response_tokens, (
-        f"{who}: {p.num_response_tokens} tokens after an earlier snapshot had "
-        f"{seen.num_response_tokens}"
-    )
     n = len(seen.response_ids)
-    assert list(p.response_ids[:n]) == list(seen.response_ids), f"{who}: the prefix changed"
+    require(
+        p.num_response_tokens >= seen.num_response_tokens
+        and list(p.response_ids[:n]) == list(seen.response_ids),
+        f"{who}: a snapshot of {p.num_response_tokens} tokens does not extend the earlier one "
+        f"of {seen.num_response_tokens}: a trajectory's snapshots only grow",
+    )

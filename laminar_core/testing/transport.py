@@ -8,6 +8,7 @@ from collections.abc import Awaitable, Callable
 
 from laminar_core.interfaces import WeightTransport
 from laminar_core.relay.packing import checksum
+from laminar_core.testing.report import require
 from laminar_core.types import Bucket
 
 
@@ -38,7 +39,12 @@ async def check_transport(
     for rank, t in enumerate(eps):
         await t.open("trainer" if rank == 0 else "relay", rank, {})
         peers[rank] = t.endpoint()
-        assert t.endpoint() == peers[rank], "endpoint() changed between calls"
+        again = t.endpoint()
+        require(
+            again == peers[rank],
+            f"endpoint() of rank {rank} returned {peers[rank]!r}, then {again!r}: it must "
+            "return the same address on every call once open (peers connect to it)",
+        )
     await asyncio.gather(*(t.connect(dict(peers)) for t in eps))
     buckets = []
     for i, n in enumerate(sizes):
@@ -86,16 +92,37 @@ async def check_transport(
         return [await eps[2].recv(1) for _ in buckets]
 
     _, mid, end = await asyncio.wait_for(asyncio.gather(sender(), relay(), tail()), timeout_s)
-    for got in (mid, end):
-        assert [b.index for b in got] == [b.index for b in buckets], "buckets reordered"
+    for hop, got in (("0 -> 1", mid), ("1 -> 2", end)):
+        order = [b.index for b in got]
+        require(
+            order == [b.index for b in buckets],
+            f"{hop}: buckets arrived in the order {order}: recv(peer) returns one sender's "
+            "buckets in the order it sent them",
+        )
         for b, want in zip(got, buckets):
-            assert (b.version, b.nbytes, b.checksum) == (want.version, want.nbytes, want.checksum)
+            head, sent = (
+                (b.version, b.nbytes, b.checksum),
+                (want.version, want.nbytes, want.checksum),
+            )
+            require(
+                head == sent,
+                f"{hop}: bucket {want.index} arrived as (version, nbytes, checksum) {head}, "
+                f"sent as {sent}: carry the header as sent (the receiver checks it)",
+            )
             if want.data is None:
-                assert b.data is None, "a phantom bucket arrived with bytes"
+                require(
+                    b.data is None,
+                    f"{hop}: a phantom bucket (data None: a size, no bytes) arrived with bytes: "
+                    "send and deliver it as a header alone",
+                )
                 continue
-            assert b.data is not None and bytes(b.data) == bytes(want.data), "bytes changed"
-            if want.checksum != 7:
-                assert checksum(b.data) == want.checksum
+            require(
+                b.data is not None and bytes(b.data) == bytes(want.data),
+                f"{hop}: bucket {want.index} ({want.nbytes} bytes, {len(want.data)} sent) "
+                "arrived with other bytes: deliver exactly the bytes sent, also a truncated "
+                "bucket (fewer than nbytes: the receiver's check rejects it), and finish with "
+                "the sender's buffer before send returns (senders recycle it at once)",
+            )
 
     # rank 1 leaves; the survivors link up directly, both ways
     rest = {0: peers[0], 2: peers[2]}
@@ -106,6 +133,10 @@ async def check_transport(
         asyncio.gather(eps[0].send(fwd, 2), eps[2].recv(0), eps[2].send(back, 0), eps[0].recv(2)),
         timeout_s,
     )
-    assert bytes(got_fwd.data) == data and bytes(got_back.data) == b"abc", "rebuilt link broke"
+    require(
+        bytes(got_fwd.data) == data and bytes(got_back.data) == b"abc",
+        "after connect() without rank 1, ranks 0 and 2 exchanged other bytes than they sent: "
+        "connect(peers) links the endpoint to exactly the peers given, again on every call",
+    )
     for t in eps:
         await t.close()
