@@ -331,13 +331,14 @@ class _Kit:
     ) -> None:
         """The engine's log-probs are the reference's under the current weights; ``before``:
         the weights the engine held before a load (to name an ignored load as such)."""
-        if self.ref is None:  # the kit's own bug, not the engine's
+        reference = self.ref
+        if reference is None:  # the kit's own bug, not the engine's
             raise RuntimeError("check_logprobs needs model_dir")
 
         def gap(temp: float, state: dict[str, torch.Tensor] | None = None) -> float:
             worst = 0.0
             for t in trajs:
-                ref = self.ref.logprobs(list(t.prompt_ids), list(t.response_ids), temp, state)
+                ref = reference.logprobs(list(t.prompt_ids), list(t.response_ids), temp, state)
                 got = torch.tensor(t.logprobs, dtype=torch.float64)
                 worst = max(worst, float((ref - got).abs().max()))
             return worst
