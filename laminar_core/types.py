@@ -25,13 +25,20 @@ class FinishReason(str, Enum):
 
 @dataclass(slots=True)
 class SamplingParams:
-    """Sampling settings of one request; identical on resume so a trajectory stays one sample."""
+    """Sampling settings of one request; identical on resume so a trajectory stays one sample.
+
+    ``stop``: strings that end generation (matched on the decoded text); ``stop_token_ids``:
+    token ids that end it besides the model's end of sequence (a chat template's end-of-turn
+    token, e.g. ``<|im_end|>``). Either way the token that ended it is kept, with its
+    log-prob.
+    """
 
     temperature: float = 1.0
     top_p: float = 1.0
     max_tokens: int = 16384
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -80,6 +87,11 @@ class Trajectory:
     generated and 0 for tokens it did not (a tool's output appended between turns): losses
     and log-prob comparisons count only the 1s. ``logprobs`` has an entry for every response
     token (0.0 where the mask is 0).
+
+    ``token_versions`` (one entry per response token; empty: every token is ``version``'s) is
+    the weight version of the call that added each token -- that generated it, where the
+    mask is 1. Filled where one sample spans calls served by different versions (an agent
+    session through the gateway, ``laminar_core.gateway``).
     """
 
     traj_id: str
@@ -99,6 +111,7 @@ class Trajectory:
     finish_time: float = 0.0
     metadata: dict[str, Any] = field(default_factory=dict)
     loss_mask: list[int] = field(default_factory=list)
+    token_versions: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

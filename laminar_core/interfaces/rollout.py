@@ -57,7 +57,9 @@ class RolloutEngine(abc.ABC):
       end-of-sequence token that ends a response is kept in ``response_ids``, with its
       log-prob (the trainer learns to stop from it). ``temperature == 0`` is greedy.
     * **Stop strings** (``sampling.stop``): generation stops once the decoded response
-      contains one; the token that completed it is the last one kept.
+      contains one; the token that completed it is the last one kept. **Stop token ids**
+      (``sampling.stop_token_ids``, e.g. a chat template's ``<|im_end|>``): generation stops
+      at any of them, as at end of sequence; the stop token is kept, with its log-prob.
     * **A simulated engine** (no tokens) leaves the ``*_ids`` lists empty and reports
       lengths in ``num_prompt_tokens`` / ``num_response_tokens``.
     * **A dead replica** raises ``ReplicaFailure`` from any call; the manager recovers its

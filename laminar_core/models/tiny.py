@@ -11,6 +11,11 @@
   tokens, and reserved filler tokens so that *every* id the model can sample decodes to
   something (vLLM samples from the full, padded vocabulary). It is built exactly like Qwen2's
   own tokenizer, because transformers rebuilds any ``model_type: qwen2`` tokenizer that way.
+  The first two reserved tokens are Qwen's chat markers ``<|im_start|>`` / ``<|im_end|>``
+  (ids 100, 101) and the tokenizer carries a Qwen-style chat template with tool calls
+  (:data:`CHAT_TEMPLATE`), which the agent gateway renders conversations with. Nothing else
+  uses them: the tasks' prompts are plain text, and the model's end of sequence stays
+  ``<|eos|>``.
 
 Sizes come in presets (:data:`PRESETS`, ``laminar tiny-model DIR --preset NAME``): ``tiny``
 (0.3M parameters: the quickstart, the tests) and ``small`` (3.2M: big enough that compute,
@@ -27,6 +32,9 @@ from pathlib import Path
 
 PAD, BOS, EOS = "<|pad|>", "<|bos|>", "<|eos|>"
 SPECIAL_TOKENS = (PAD, BOS, EOS)  # ids 0, 1, 2
+# Qwen's chat-turn markers: the first two reserved ids (100, 101), special like Qwen's own.
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+CHAT_TOKENS = (IM_START, IM_END)
 # The characters the tokenizer knows: printable ASCII plus tab and newline. Bytes outside it
 # are dropped by the (byte-level, merge-free) BPE; keeping the alphabet small keeps the vocab
 # at 128, which is what lets a randomly initialised model find the right letters by sampling.
@@ -50,6 +58,45 @@ def _bytes_to_unicode() -> dict[int, str]:
             chars.append(256 + n)
             n += 1
     return {b: chr(c) for b, c in zip(keep, chars, strict=True)}
+
+
+# A Qwen2.5-style chat template (``<|im_start|>role\n...<|im_end|>\n`` turns; tools listed
+# in the system turn as JSON; calls as ``<tool_call>{"name": ..., "arguments": {...}}
+# </tool_call>``; tool results in a user turn inside ``<tool_response>``), kept short: every
+# character is a token of the tiny model's context.
+CHAT_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
+    "{{- '\\n</tools>\\nCall a tool with <tool_call>"
+    '{"name": ..., "arguments": {...}}</tool_call><|im_end|>\\n\' }}'
+    "{%- elif messages[0].role == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'assistant' %}"
+    "{{- '<|im_start|>assistant\\n' }}"
+    "{%- if message.content %}{{- message.content }}{%- endif %}"
+    "{%- for tool_call in message.tool_calls or [] %}"
+    "{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}"
+    '{{- \'<tool_call>{"name": "\' + tool_call.name + \'", "arguments": \' }}'
+    "{{- tool_call.arguments | tojson }}{{- '}</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}"
+    "{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}"
+    "{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
 
 
 def char_vocab() -> list[str]:
@@ -85,7 +132,8 @@ def _build_tokenizer(vocab_size: int):
     from tokenizers.models import BPE
 
     tokens = char_vocab()
-    reserved = [f"<|reserved_{i}|>" for i in range(vocab_size - len(tokens))]
+    fill = vocab_size - len(tokens) - len(CHAT_TOKENS)
+    reserved = [*CHAT_TOKENS, *(f"<|reserved_{i}|>" for i in range(fill))]
     vocab = {tok: i for i, tok in enumerate(tokens)}
     tok = Tokenizer(
         BPE(vocab=vocab, merges=[], continuing_subword_prefix="", end_of_word_suffix="")
@@ -189,6 +237,7 @@ def build_tiny_model(
         model_max_length=max_position_embeddings,
         clean_up_tokenization_spaces=False,
     )
+    fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(out)
     return out
 

@@ -390,6 +390,8 @@ class SGLangRolloutEngine(RolloutEngine):
         }
         if s.stop:
             sampling["stop"] = list(s.stop)
+        if s.stop_token_ids:
+            sampling["stop_token_ids"] = list(s.stop_token_ids)
         if s.seed is not None:  # honoured by SGLang's deterministic-inference mode
             sampling["sampling_seed"] = s.seed
         msg = {"op": "generate", "rid": live.request_id, "input_ids": live.input_ids}

@@ -223,6 +223,7 @@ class VLLMRolloutEngine(RolloutEngine):
             max_tokens=live.remaining,
             seed=s.seed,
             stop=list(s.stop) or None,
+            stop_token_ids=list(s.stop_token_ids) or None,
             logprobs=0,  # the sampled token's log-prob, nothing more
             output_kind=RequestOutputKind.DELTA,
             # a trajectory is token ids (the driver decodes what a reward reads), so vLLM's
