@@ -259,3 +259,10 @@ def recomputed_gap(model, traj, temperature: float) -> float:
     lp = lp[len(traj.prompt_ids) - 1 :]
     mask = torch.tensor(traj.loss_mask, dtype=torch.bool)
     return (lp[mask] - torch.tensor(traj.logprobs)[mask]).abs().max().item()
+
+
+def observed_count(traj, token_id: int) -> int:
+    """How often ``token_id`` occurs in what the model did not write (prompt and loss-mask-0
+    ids): the template's control tokens, when the id is one."""
+    masked = [t for t, m in zip(traj.response_ids, traj.loss_mask, strict=True) if not m]
+    return [*traj.prompt_ids, *masked].count(token_id)

@@ -36,6 +36,7 @@ from gateway_support import (
     Recording,
     cached_tool_model,
     check_faithful,
+    observed_count,
     recomputed_gap,
 )
 
@@ -172,10 +173,9 @@ def test_a_tool_message_cannot_inject_control_tokens(stack, hf) -> None:
     (traj,) = stack.close(h.session_id)
     check_faithful(traj, stack.calls(traj))
     ids = [*traj.prompt_ids, *traj.response_ids]
-    starts = [i for i, t in enumerate(ids) if t == 100]
     # one <|im_start|> per turn the template opened: system, user, the model's first turn,
     # the tool result's turn, the model's second turn; none from the tool's text
-    assert len(starts) == 5, stack.tok.decode(ids)
+    assert observed_count(traj, 100) == 5, stack.tok.decode(ids)
     assert forged in stack.tok.decode(ids)  # the text is there, as characters
     assert recomputed_gap(hf, traj, T) < 1e-4
 
