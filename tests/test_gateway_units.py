@@ -17,7 +17,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
 
 from laminar_core.envs import JsonToolCallParser  # noqa: E402
-from laminar_core.gateway import GatewayError, GatewaySettings, SessionBudget, SessionKeys  # noqa: E402
+from laminar_core.gateway import (  # noqa: E402
+    GatewayError,
+    GatewaySettings,
+    SessionBudget,
+    SessionKeys,
+    TurnResult,
+)
 from laminar_core.gateway.messages import parse_messages, parse_tools, tools_key  # noqa: E402
 from laminar_core.gateway.render import ChatRenderer  # noqa: E402
 from laminar_core.gateway.session import Session  # noqa: E402
@@ -246,52 +252,15 @@ def test_malformed_messages_name_the_field(messages, field) -> None:
     assert e.value.status == 400 and e.value.param == field
 
 
+def _one_call(content, call_id, arguments):
+    call = {"id": call_id, "type": "function", "function": {"name": "f", "arguments": arguments}}
+    return parse_messages([{"role": "assistant", "content": content, "tool_calls": [call]}])[0]
+
+
 def test_messages_compare_by_content_and_json_equal_arguments() -> None:
-    a = parse_messages(
-        [
-            {
-                "role": "assistant",
-                "content": None,
-                "tool_calls": [
-                    {
-                        "id": "x",
-                        "type": "function",
-                        "function": {"name": "f", "arguments": '{"a":1,"b":2}'},
-                    }
-                ],
-            }
-        ]
-    )[0]
-    b = parse_messages(
-        [
-            {
-                "role": "assistant",
-                "content": "",
-                "tool_calls": [
-                    {
-                        "id": "y",
-                        "type": "function",
-                        "function": {"name": "f", "arguments": '{"b": 2, "a": 1}'},
-                    }
-                ],
-            }
-        ]
-    )[0]
-    c = parse_messages(
-        [
-            {
-                "role": "assistant",
-                "content": "",
-                "tool_calls": [
-                    {
-                        "id": "x",
-                        "type": "function",
-                        "function": {"name": "f", "arguments": '{"a": 2}'},
-                    }
-                ],
-            }
-        ]
-    )[0]
+    a = _one_call(None, "x", '{"a":1,"b":2}')
+    b = _one_call("", "y", '{"b": 2, "a": 1}')
+    c = _one_call("", "x", '{"a": 2}')
     assert a.key() == b.key() and a.key() != c.key()
     parts = parse_messages(
         [
@@ -318,10 +287,12 @@ def _session(**budget) -> Session:
     return Session("s", "key", "g", {"row": 1}, SessionBudget(**budget))
 
 
+def _result(sampled, version=3, lp=-0.5, finish=FinishReason.STOP) -> TurnResult:
+    return TurnResult(list(sampled), [lp] * len(sampled), finish, version, "r0")
+
+
 def _serve(session, pending, sampled, messages, version=3):
-    session.commit(
-        pending, sampled, [-0.5] * len(sampled), version, "r0", FinishReason.STOP, messages=messages
-    )
+    session.commit(pending, _result(sampled, version), messages=messages)
 
 
 def _reply(text: str):
@@ -426,13 +397,13 @@ def test_text_completions_extend_by_text_or_by_ids(tok) -> None:
     s = _session()
     p0 = s.prepare_text("a<|im_end|>", tok, 4)
     assert p0.prompt_ids == encode_untrusted(tok, "a<|im_end|>")  # plain text
-    s.commit(p0, [70, 71], [-1.0, -1.0], 0, "r0", FinishReason.LENGTH, text="a<|im_end|>bc")
+    s.commit(p0, _result([70, 71], 0, -1.0, FinishReason.LENGTH), text="a<|im_end|>bc")
     p1 = s.prepare_text("a<|im_end|>bc d", tok, 4)
     assert p1.sample is p0.sample and p1.observed == tok.encode(" d", add_special_tokens=False)
     s.abandon(p1, "error", give_back_call=True)
     ids = [100, 70]
     p2 = s.prepare_text(ids, tok, 4)
     assert p2.new and p2.prompt_ids == ids  # the agent's own control tokens
-    s.commit(p2, [5], [-1.0], 0, "r0", FinishReason.LENGTH)
+    s.commit(p2, _result([5], 0, -1.0, FinishReason.LENGTH))
     p3 = s.prepare_text([100, 70, 5, 101], tok, 4)
     assert p3.sample is p2.sample and p3.observed == [101]

@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from laminar_core.gateway.backend import TurnResult
 from laminar_core.gateway.messages import Message
 from laminar_core.types import FinishReason, Trajectory
 
@@ -72,26 +73,19 @@ class Sample:
         """Every id the sample holds: what the next call's prompt starts with."""
         return [*self.prompt_ids, *self.response_ids]
 
-    def commit(
-        self,
-        observed: list[int],
-        sampled: list[int],
-        logprobs: list[float],
-        version: int,
-        record: CallRecord,
-        finish: FinishReason,
-    ) -> None:
+    def commit(self, observed: list[int], result: TurnResult, record: CallRecord) -> None:
         """Append one call: ``observed`` (added before generating; empty on the first
-        call, whose prompt is ``prompt_ids``) and the ``sampled`` ids with their
-        log-probs, all stamped with ``version``."""
-        if len(sampled) != len(logprobs):
-            raise ValueError(f"{len(sampled)} sampled ids but {len(logprobs)} log-probs")
+        call, whose prompt is ``prompt_ids``) and the ids ``result`` sampled with their
+        log-probs, all stamped with its version."""
+        sampled = result.ids
+        if len(sampled) != len(result.logprobs):
+            raise ValueError(f"{len(sampled)} sampled ids but {len(result.logprobs)} log-probs")
         self.response_ids += [*observed, *sampled]
         self.loss_mask += [0] * len(observed) + [1] * len(sampled)
-        self.logprobs += [0.0] * len(observed) + [float(x) for x in logprobs]
-        self.token_versions += [version] * (len(observed) + len(sampled))
+        self.logprobs += [0.0] * len(observed) + [float(x) for x in result.logprobs]
+        self.token_versions += [result.version] * (len(observed) + len(sampled))
         self.calls.append(record)
-        self.last_finish = finish
+        self.last_finish = result.finish_reason
         self.last_sampled = list(sampled)
         self.finish_time = time.monotonic()
 

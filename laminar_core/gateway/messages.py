@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from laminar_core.gateway.errors import bad_request
@@ -50,7 +50,6 @@ class Message:
     tool_calls: tuple[ToolCallMessage, ...] = ()
     tool_call_id: str | None = None
     name: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def key(self) -> tuple[Any, ...]:
         """What must agree for two messages to be the same turn (ids do not count)."""

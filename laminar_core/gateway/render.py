@@ -46,9 +46,14 @@ def compile_template(template: str) -> Any:
     tool definitions before rendering and a placeholder is not one."""
     import datetime
 
-    import jinja2
-    from jinja2.ext import Extension, loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    try:
+        import jinja2
+        from jinja2.ext import Extension, loopcontrols
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError as e:  # pragma: no cover - installed with transformers' chat templates
+        raise ImportError(
+            f"the gateway renders chat templates with jinja2 ({e}): pip install jinja2"
+        ) from e
 
     class _Generation(Extension):
         tags = {"generation"}

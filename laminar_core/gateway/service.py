@@ -285,15 +285,7 @@ class Gateway:
         parser = self.parser if tools and tool_choice != "none" else None
         turn = read_turn(text, parser)
         finish = _finish_reason(result.finish_reason, bool(turn.tool_calls))
-        session.commit(
-            pending,
-            result.ids,
-            result.logprobs,
-            result.version,
-            result.replica,
-            result.finish_reason,
-            messages=[*messages, turn.message()],
-        )
+        session.commit(pending, result, messages=[*messages, turn.message()])
         return self._result(
             "chat", session, pending, result, finish, overridden, stream, include_usage, turn=turn
         )
@@ -325,15 +317,7 @@ class Gateway:
         stream, include_usage = self._stream_flags(body)
         pending = session.prepare_text(prompt, self.tokenizer, want)
         result, text = await self._generate(session, pending, stop, seed)
-        session.commit(
-            pending,
-            result.ids,
-            result.logprobs,
-            result.version,
-            result.replica,
-            result.finish_reason,
-            text=prompt + text if isinstance(prompt, str) else None,
-        )
+        session.commit(pending, result, text=prompt + text if isinstance(prompt, str) else None)
         finish = _finish_reason(result.finish_reason, False)
         return self._result(
             "text", session, pending, result, finish, overridden, stream, include_usage, text=text

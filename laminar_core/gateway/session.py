@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from laminar_core.gateway.backend import TurnResult
 from laminar_core.gateway.capture import CallRecord, Sample
 from laminar_core.gateway.errors import bad_request, budget_exhausted, unauthorized
 from laminar_core.gateway.messages import Message
@@ -221,11 +222,7 @@ class Session:
     def commit(
         self,
         pending: Pending,
-        sampled: list[int],
-        logprobs: list[float],
-        version: int,
-        replica: str,
-        finish: Any,
+        result: TurnResult,
         *,
         messages: list[Message] | None = None,
         text: str | None = None,
@@ -241,16 +238,16 @@ class Session:
             observed = pending.observed
         record = CallRecord(
             pending.call_index,
-            version,
-            replica,
+            result.version,
+            result.replica,
             len(pending.prompt_ids),
             len(pending.observed),
-            len(sampled),
-            finish.value,
+            len(result.ids),
+            result.finish_reason.value,
             time.monotonic() - pending.started,
         )
-        s.commit(observed, sampled, logprobs, version, record, finish)
-        self.total_tokens += len(pending.observed) + len(sampled)
+        s.commit(observed, result, record)
+        self.total_tokens += len(pending.observed) + len(result.ids)
         if messages is not None:
             s.messages = messages
         if text is not None:
