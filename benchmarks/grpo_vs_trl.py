@@ -573,16 +573,10 @@ def _repack(run_dir: str | None) -> tuple[int | None, int | None]:
     path = Path(run_dir or "") / "events.jsonl"
     if not run_dir or not path.exists():
         return None, None
-    moves = moved = 0
-    with path.open() as f:
-        for line in f:
-            if '"repack"' not in line:
-                continue
-            ev = json.loads(line)
-            if ev["kind"] == "repack":
-                moves += 1
-                moved += int(ev.get("n", 0))
-    return moves, moved
+    from laminar_core.telemetry.events import RepackMove, read_events
+
+    moves = read_events(path).of(RepackMove)
+    return len(moves), sum(e.n for e in moves)
 
 
 def _median(xs: list[float]) -> float | None:

@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from laminar_core.cli import main
+from laminar_core.telemetry.events import TrajectoryDone, WeightPush, read_events
 
 TINY = [
     "run.steps=3",
@@ -212,8 +213,8 @@ def test_simulate_trace_keeps_the_study_numbers(cfg_file: Path, tmp_path: Path) 
     info = json.loads((trace.parent / "trace_info.json").read_text())
     assert info["schedule"] == "laminar"  # the first schedule by default
     assert info["row"] == traced[0]
-    events = (trace.parent / "events.jsonl").read_text().splitlines()
-    assert events and json.loads(events[0])["kind"] in {"trajectory", "wait_data", "repack"}
+    events = read_events(trace.parent / "events.jsonl").events
+    assert events and events[0].kind in {"trajectory", "wait_data", "repack"}
     assert len((trace.parent / "metrics.jsonl").read_text().splitlines()) == traced[0]["steps"]
     assert json.loads(trace.read_text())["traceEvents"]
 
@@ -227,12 +228,11 @@ def test_simulate_trace_schedule_picks_the_traced_run(
     info = json.loads((trace.parent / "trace_info.json").read_text())
     assert info["schedule"] == "sync" and info["row"] == rows[1]
     assert yaml.safe_load((trace.parent / "config.yaml").read_text())["schedule"] == "sync"
-    events = [json.loads(x) for x in (trace.parent / "events.jsonl").read_text().splitlines()]
-    pushes = sorted(e["t"] for e in events if e["kind"] == "weight_push")
+    events = read_events(trace.parent / "events.jsonl")
+    pushes = sorted(e.t for e in events.of(WeightPush))
     # sync: every trajectory finishes while the trainer still holds its generating version
-    for e in events:
-        if e["kind"] == "trajectory":
-            assert sum(t <= e["t"] for t in pushes) == e["version"]
+    for e in events.of(TrajectoryDone):
+        assert sum(t <= e.t for t in pushes) == e.version
     assert f"laminar report {trace.parent}" in capsys.readouterr().out
 
 

@@ -32,6 +32,7 @@ pytest.importorskip("ray")
 
 from laminar_core.models import build_tiny_model  # noqa: E402
 from laminar_core.runtime.train import make_run_dir, start_run  # noqa: E402
+from laminar_core.telemetry.events import WeightPull  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 3
@@ -103,9 +104,8 @@ def test_combination_trains_and_agrees_on_logprobs(combo, model, ray_cluster, tm
     rows = _rows(run_dir)
     assert [r["weight_version"] for r in rows] == [1, 2, 3]
     pulls: dict[str, list[int]] = {}
-    for _t, kind, actor, _d, fields in run.events.events:
-        if kind == "weight_pull":
-            pulls.setdefault(actor, []).append(fields["version"])
+    for e in run.events.of(WeightPull):
+        pulls.setdefault(e.actor, []).append(e.version)
     assert set(pulls) == {"r0", "r1"} and all(max(v) >= 2 for v in pulls.values()), pulls
     gaps = [r["logprob_abs_diff_max"] for r in rows if "logprob_abs_diff_max" in r]
     assert gaps, "no trajectory of the trainer's current version was trained on"

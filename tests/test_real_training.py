@@ -38,6 +38,7 @@ ray = pytest.importorskip("ray")
 
 from laminar_core.models import build_tiny_model  # noqa: E402
 from laminar_core.runtime.train import close_run, make_run_dir, start_run  # noqa: E402
+from laminar_core.telemetry.events import WeightPull  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -167,16 +168,15 @@ def test_trainer_ranks_and_replicas_run_on_the_cores_they_were_given(first_run):
 
 def test_each_replica_pulls_while_the_other_generates(first_run):
     _, _, run, *_ = first_run
-    pulls = [e for e in run.events.events if e[1] == "weight_pull"]
-    by_replica: dict[str, list] = {}
-    for _t, _kind, actor, _d, fields in pulls:
-        by_replica.setdefault(actor, []).append(fields)
+    by_replica: dict[str, list[WeightPull]] = {}
+    for e in run.events.of(WeightPull):
+        by_replica.setdefault(e.actor, []).append(e)
     assert set(by_replica) == {"r0", "r1"}
     for got in by_replica.values():
-        assert [f["version"] for f in got] == sorted(f["version"] for f in got)
+        assert [e.version for e in got] == sorted(e.version for e in got)
         assert len(got) >= 2  # each replica refreshed more than once
     # no barrier: replicas refresh one at a time, the other one generating meanwhile
-    assert any(f["others_inflight"] > 0 for got in by_replica.values() for f in got), by_replica
+    assert any(e.others_inflight > 0 for got in by_replica.values() for e in got), by_replica
 
 
 def test_replicas_load_weights_from_the_relay_actors_shared_memory(first_run):
@@ -197,8 +197,8 @@ def test_replicas_load_weights_from_the_relay_actors_shared_memory(first_run):
         assert rec["bytes"] == rec["manifest_bytes"] == run.tier.history[-1].bytes > 0
     assert [r.version for r in run.tier.history] == [1, 2, 3]
     # every pull handed the replica a reference to that file, not tensors
-    pulls = [f for _t, kind, _a, _d, f in run.events.events if kind == "weight_pull"]
-    assert pulls and all(f["node_local"] for f in pulls)
+    pulls = run.events.of(WeightPull)
+    assert pulls and all(e.node_local for e in pulls)
     assert not root.exists()  # the relay deleted its versions when the run closed it
 
 
@@ -301,8 +301,8 @@ def test_checkpoint_kill_resume_continues_from_the_saved_step(first_run, resumed
     assert [r["step"] for r in rows] == [2, 3, 4]
     # the restored version went to the new run's relay actor, and from it to the replicas
     assert sorted(run.runtime.relays[0].written) == [2, 3, 4, 5]
-    pulls = [f for _t, kind, _a, _d, f in run.events.events if kind == "weight_pull"]
-    assert pulls and all(f["node_local"] for f in pulls)
+    pulls = run.events.of(WeightPull)
+    assert pulls and all(e.node_local for e in pulls)
     assert [r["weight_version"] for r in rows] == [3, 4, 5]
     # replicas started from the restored version 2, not the base model
     first_versions = {t.version for t in run.controller.batches[0].trajectories}

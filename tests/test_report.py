@@ -18,6 +18,16 @@ import pytest
 from laminar_core import load_config
 from laminar_core.cli import main
 from laminar_core.telemetry import report as rep
+from laminar_core.telemetry.events import (
+    SCHEMA_VERSION,
+    EventLog,
+    EventsError,
+    RepackMove,
+    TrajectoryDone,
+    WaitData,
+    read_events,
+)
+from laminar_core.testing.audit import audit_run
 
 pytest.importorskip("matplotlib")
 
@@ -95,12 +105,11 @@ def test_report_of_a_real_clock_run(sim_run: Path, capsys: pytest.CaptureFixture
     assert "no reward_mean" in page
     got = figures(page)
     rows = [json.loads(line) for line in (sim_run / "metrics.jsonl").read_text().splitlines()]
-    events = [json.loads(line) for line in (sim_run / "events.jsonl").read_text().splitlines()]
     assert got["trainer steps"] == "6" == str(len(rows))
     assert got["schedule"] == "laminar"
-    moves = [e for e in events if e["kind"] == "repack"]
+    moves = read_events(sim_run / "events.jsonl").of(RepackMove)
     assert got["repack moves"].startswith(f"{len(moves):,} ")
-    assert all(len(e["ids"]) == e["n"] for e in moves)  # each move names what it moved
+    assert all(len(e.ids) == e.n for e in moves)  # each move names what it moved
     stale_max = max(r["staleness_max"] for r in rows)
     assert got["staleness mean / max"].endswith(f"/ {stale_max}")
     assert "simulated" not in got["run time"]
@@ -134,8 +143,7 @@ def test_report_of_a_simulated_study_trace(study_trace: Path) -> None:
     row = info["row"]
     assert got["trainer steps"] == str(row["steps"])
     # the page's counts cover the whole run; the study's row starts after the warm-up
-    events = [json.loads(x) for x in (study_trace / "events.jsonl").read_text().splitlines()]
-    moves = [e for e in events if e["kind"] == "repack"]
+    moves = read_events(study_trace / "events.jsonl").of(RepackMove)
     assert got["repack moves"].startswith(f"{len(moves):,} ") and row["repacks"] <= len(moves)
     metrics = [json.loads(x) for x in (study_trace / "metrics.jsonl").read_text().splitlines()]
     whole_max = max(m["staleness_max"] for m in metrics)
@@ -211,6 +219,82 @@ def test_not_a_run_directory_is_one_error_line(
     assert expected in err[0] and str(target) in err[0]
 
 
+# -- events.jsonl through telemetry.events -----------------------------------------------------
+
+
+def _rewrite_events(d: Path, edit) -> int:
+    """Apply ``edit`` to the first trajectory line of ``d/events.jsonl``; its line number."""
+    lines = (d / "events.jsonl").read_text().splitlines()
+    n = next(i for i, x in enumerate(lines) if json.loads(x)["kind"] == "trajectory")
+    row = json.loads(lines[n])
+    edit(row)
+    lines[n] = json.dumps(row)
+    (d / "events.jsonl").write_text("\n".join(lines) + "\n")
+    return n + 1
+
+
+def test_a_renamed_event_field_fails_loudly(
+    sim_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """What a writer that renamed ``tokens`` leaves behind: the report and the audit name the
+    line and the field instead of drawing zeros, and the writer itself cannot construct it."""
+    d = copy_run(sim_run, tmp_path / "run", "config.yaml", "metrics.jsonl", "events.jsonl")
+    line = _rewrite_events(d, lambda row: row.update(response_tokens=row.pop("tokens")))
+    assert main(["report", str(d)]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("laminar: error: report: "), err
+    assert f"line {line}: a 'trajectory' event lacks field(s) tokens" in err[0]
+    assert "has field(s) response_tokens that the schema does not define" in err[0]
+    with pytest.raises(EventsError, match=f"line {line}: .* lacks field.s. tokens"):
+        audit_run(d)
+    with pytest.raises(TypeError, match="response_tokens"):
+        TrajectoryDone(t=0.0, actor="r0", id="a", version=0, versions=[0], response_tokens=1)
+
+
+def test_a_run_directory_from_before_the_schema_version_is_reported(
+    sim_run: Path, tmp_path: Path
+) -> None:
+    d = copy_run(sim_run, tmp_path / "run", "config.yaml", "metrics.jsonl", "events.jsonl")
+    lines = (d / "events.jsonl").read_text().splitlines()
+    assert json.loads(lines[0]) == {
+        "t": 0.0,
+        "kind": "schema",
+        "actor": "",
+        "duration": 0.0,
+        "version": SCHEMA_VERSION,
+    }
+    (d / "events.jsonl").write_text("\n".join(lines[1:]) + "\n")  # as written before
+    old, new = read_events(d / "events.jsonl"), read_events(sim_run / "events.jsonl")
+    assert (old.version, new.version) == (0, SCHEMA_VERSION) and old.events == new.events
+    report = rep.write_report(d)
+    assert figures(report.index.read_text()) == figures(rep.write_report(sim_run).index.read_text())
+
+
+def test_a_cut_off_last_event_line_is_left_out_and_any_other_bad_line_is_an_error(
+    sim_run: Path, tmp_path: Path
+) -> None:
+    d = copy_run(sim_run, tmp_path / "run", "config.yaml", "metrics.jsonl", "events.jsonl")
+    with open(d / "events.jsonl", "a") as f:
+        f.write('{"t": 11.5, "kind": "trajec')  # killed mid-write
+    log = read_events(d / "events.jsonl")
+    assert log.cut_off and len(log.events) == len(read_events(sim_run / "events.jsonl").events)
+    assert any("last line is cut off" in n for n in rep.write_report(d).notes)
+    assert any("last line is cut off" in p for p in audit_run(d).problems)
+    with open(d / "events.jsonl", "a") as f:
+        f.write("\n{}\n")  # the cut-off line is no longer the last one
+    with pytest.raises(rep.ReportError, match=r"is not JSON .* not the last line"):
+        rep.load_run(d)
+
+
+def test_events_of_a_newer_schema_name_the_upgrade(sim_run: Path, tmp_path: Path) -> None:
+    d = copy_run(sim_run, tmp_path / "run", "events.jsonl")
+    lines = (d / "events.jsonl").read_text().splitlines()
+    lines[0] = json.dumps({**json.loads(lines[0]), "version": SCHEMA_VERSION + 1})
+    (d / "events.jsonl").write_text("\n".join(lines) + "\n")
+    with pytest.raises(rep.ReportError, match="upgrade Laminar"):
+        rep.load_run(d)
+
+
 # -- the aggregation behind the timeline -----------------------------------------------------
 
 
@@ -225,19 +309,34 @@ def test_coverage_is_the_exact_mean_in_flight_per_bin() -> None:
     np.testing.assert_allclose(rep._coverage(starts, ends, edges), brute, atol=2e-3)
 
 
+def _traj(t: float, replica: str, duration: float, tid: str, version: int) -> TrajectoryDone:
+    return TrajectoryDone(
+        t=t,
+        actor=replica,
+        duration=duration,
+        id=tid,
+        version=version,
+        versions=[version],
+        tokens=10,
+    )
+
+
 def test_moved_trajectories_are_split_at_their_moves(tmp_path: Path) -> None:
-    lines = [
-        {"t": 10.0, "kind": "wait_data", "actor": "trainer", "duration": 10.0, "step": 0},
-        {"t": 4.0, "kind": "repack", "actor": "r1", "to": "r10", "n": 1, "ids": ["a"]},
-        {"t": 6.0, "kind": "repack", "actor": "r10", "to": "r2", "n": 1, "ids": ["a"]},
-        {"t": 9.0, "kind": "trajectory", "actor": "r2", "duration": 8.0, "id": "a", "version": 0},
-        {"t": 5.0, "kind": "trajectory", "actor": "r1", "duration": 5.0, "id": "b", "version": 0},
-        '{"t": 11, "kind": "traj',
-    ]
+    log = EventLog()
+    for e in (
+        WaitData(t=10.0, actor="trainer", duration=10.0, step=0),
+        RepackMove(t=4.0, actor="r1", to="r10", n=1, ids=["a"]),
+        RepackMove(t=6.0, actor="r10", to="r2", n=1, ids=["a"]),
+        _traj(9.0, "r2", 8.0, "a", 0),
+        _traj(5.0, "r1", 5.0, "b", 0),
+    ):
+        log.record(e)
     p = tmp_path / "events.jsonl"
-    p.write_text("\n".join(x if isinstance(x, str) else json.dumps(x) for x in lines) + "\n")
+    log.write_jsonl(p)
+    with open(p, "a") as f:
+        f.write('{"t": 11, "kind": "traj')  # killed mid-write
     notes: list[str] = []
-    ev = rep.read_events(p, notes)
+    ev = rep.event_columns(p, notes)
     assert ev.replicas == ["r1", "r2", "r10"]  # natural order
     seg = sorted(
         zip(
@@ -245,7 +344,10 @@ def test_moved_trajectories_are_split_at_their_moves(tmp_path: Path) -> None:
         )
     )
     assert seg == [(0.0, 5.0, "r1"), (1.0, 4.0, "r1"), (4.0, 6.0, "r10"), (6.0, 9.0, "r2")]
-    assert notes == ["events.jsonl: 1 unreadable line(s) skipped (a run killed mid-write?)"]
+    assert notes == [
+        "events.jsonl: the last line is cut off (the run was killed while writing it) and is "
+        "left out"
+    ]
 
 
 def test_big_runs_draw_a_sample_of_replicas(
@@ -253,13 +355,12 @@ def test_big_runs_draw_a_sample_of_replicas(
 ) -> None:
     rng = np.random.default_rng(1)
     n_rep, n_traj = 200, 5000
-    with open(tmp_path / "events.jsonl", "w") as f:
-        wait = {"t": 5.0, "kind": "wait_data", "actor": "trainer", "duration": 5.0, "step": 0}
-        f.write(json.dumps(wait) + "\n")
-        for i in range(n_traj):
-            end = float(rng.uniform(1, 100))
-            ev = {"t": end, "kind": "trajectory", "actor": f"r{i % n_rep}", "duration": end * 0.9}
-            f.write(json.dumps({**ev, "id": f"g{i}", "version": i % 3}) + "\n")
+    log = EventLog()
+    log.record(WaitData(t=5.0, actor="trainer", duration=5.0, step=0))
+    for i in range(n_traj):
+        end = float(rng.uniform(1, 100))
+        log.record(_traj(end, f"r{i % n_rep}", end * 0.9, f"g{i}", i % 3))
+    log.write_jsonl(tmp_path / "events.jsonl")
     from matplotlib.figure import Figure
 
     titles: list[str] = []
@@ -286,7 +387,7 @@ def test_trace_files_describe_the_traced_run(study_trace: Path) -> None:
     assert "trainer" in names and "r0" in names
     metrics = [json.loads(x) for x in (study_trace / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == list(range(info["row"]["steps"]))
-    kinds = {json.loads(x)["kind"] for x in (study_trace / "events.jsonl").read_text().splitlines()}
+    kinds = {e.kind for e in read_events(study_trace / "events.jsonl").events}
     assert {"trajectory", "weight_pull", "train_step", "weight_push", "wait_data"} <= kinds
     rows = json.loads((study_trace.parent / "rows.json").read_text())
     assert info["row"] == rows[0]  # the traced run is the study's laminar run

@@ -36,6 +36,13 @@ from laminar_core.loop.trainer_group import TrainerGroup
 from laminar_core.relay.protocol import RelayUnavailable
 from laminar_core.relay.tier import PublishResult, RelayTier
 from laminar_core.telemetry import EventLog, MetricsWriter, RolloutDump
+from laminar_core.telemetry.events import (
+    CheckpointSaved,
+    TrainerRestarted,
+    TrainStep,
+    WaitData,
+    WeightPush,
+)
 from laminar_core.types import FinishReason, Group, TrainBatch, Trajectory
 
 log = logging.getLogger(__name__)
@@ -166,7 +173,7 @@ class Controller:
         ckpt.commit(tmp, final, state)
         self._since_checkpoint = []
         self.events.record(
-            asyncio.get_running_loop().time(), "checkpoint", "trainer", step=self.step
+            CheckpointSaved(t=asyncio.get_running_loop().time(), actor="trainer", step=self.step)
         )
         return final
 
@@ -293,17 +300,18 @@ class Controller:
             rollout=tool_metrics(trajs),
         )
         self.records.append(rec)
-        self.events.record(t1, "wait_data", "trainer", duration=t1 - t0, step=step)
+        self.events.record(WaitData(t=t1, actor="trainer", duration=t1 - t0, step=step))
         self.events.record(
-            t2 - pub.stall_seconds,
-            "train_step",
-            "trainer",
-            duration=t2 - t1 - pub.stall_seconds,
-            step=step,
-            prompts=prompts,
+            TrainStep(
+                t=t2 - pub.stall_seconds,
+                actor="trainer",
+                duration=t2 - t1 - pub.stall_seconds,
+                step=step,
+                prompts=prompts,
+            )
         )
         self.events.record(
-            t2, "weight_push", "trainer", duration=pub.stall_seconds, version=version
+            WeightPush(t=t2, actor="trainer", duration=pub.stall_seconds, version=version)
         )
         prev = self.records[-2] if len(self.records) > 1 else None
         # the loop clock resumes where the previous step's eval round (if any) ended
@@ -449,14 +457,15 @@ class Controller:
             len(lost),
         )
         self.events.record(
-            loop.time(),
-            "trainer_restart",
-            "trainer",
-            duration=took,
-            from_step=step,
-            restored_version=held,
-            lost_prompts=lost,
-            lost_steps=lost_steps,
+            TrainerRestarted(
+                t=loop.time(),
+                actor="trainer",
+                duration=took,
+                from_step=step,
+                restored_version=held,
+                lost_prompts=lost,
+                lost_steps=lost_steps,
+            )
         )
 
     # --- sampling -----------------------------------------------------------------------------

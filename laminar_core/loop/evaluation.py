@@ -62,6 +62,7 @@ from typing import TYPE_CHECKING, Any
 from laminar_core.buffers.prompts import Prompt, SyntheticPrompts
 from laminar_core.config.loader import ConfigError, ResolvedConfig
 from laminar_core.interfaces import ReplicaFailure
+from laminar_core.telemetry.events import EvalRound
 from laminar_core.types import FinishReason, GenerationRequest, SamplingParams, Trajectory
 
 if TYPE_CHECKING:
@@ -244,13 +245,14 @@ class Evaluation:
         )
         self.results.append(result)
         mgr.events.record(
-            loop.time(),
-            "eval",
-            "trainer",
-            duration=result.seconds,
-            version=version,
-            reward=result.reward,
-            samples=result.samples,
+            EvalRound(
+                t=loop.time(),
+                actor="trainer",
+                duration=result.seconds,
+                version=version,
+                reward=result.reward,
+                samples=result.samples,
+            )
         )
         return result
 

@@ -39,6 +39,18 @@ from laminar_core.loop.episodes import EpisodeRestart, Episodes
 from laminar_core.loop.schedules import Schedule
 from laminar_core.relay.events import RelayEvent, RelayEvents
 from laminar_core.telemetry import EventLog
+from laminar_core.telemetry.events import (
+    NodeEvicted,
+    RelayFailed,
+    RelayRestarted,
+    RepackMove,
+    ReplicaAdded,
+    ReplicaEvicted,
+    ReplicaFailed,
+    ReplicaRestarted,
+    TrajectoryDone,
+    WeightPull,
+)
 from laminar_core.types import (
     FinishReason,
     GenerationRequest,
@@ -430,14 +442,15 @@ class RolloutManager:
                 traj.finish_reason = FinishReason.FAILED
                 traj.error = f"reward: {type(e).__name__}: {e}"
         self.events.record(
-            traj.finish_time,
-            "trajectory",
-            slot.replica_id,
-            duration=traj.finish_time - traj.start_time,
-            id=tid,
-            version=traj.version,
-            versions=traj.versions or [traj.version],
-            tokens=traj.num_response_tokens,
+            TrajectoryDone(
+                t=traj.finish_time,
+                actor=slot.replica_id,
+                duration=traj.finish_time - traj.start_time,
+                id=tid,
+                version=traj.version,
+                versions=traj.versions or [traj.version],
+                tokens=traj.num_response_tokens,
+            )
         )
         self.buffer.write(traj)
         if self.first_trajectory_at is None:
@@ -538,13 +551,14 @@ class RolloutManager:
         slot.version = version
         slot.updating = False
         self.events.record(
-            self.now(),
-            "weight_pull",
-            slot.replica_id,
-            duration=self.now() - t0,
-            version=version,
-            others_inflight=others,
-            node_local=weights.node_local,
+            WeightPull(
+                t=self.now(),
+                actor=slot.replica_id,
+                duration=self.now() - t0,
+                version=version,
+                others_inflight=others,
+                node_local=weights.node_local,
+            )
         )
         if slot.relay.version > slot.version:
             slot.wake.set()  # an even newer one arrived meanwhile
@@ -655,12 +669,13 @@ class RolloutManager:
             dst.pinned -= 1
         self.moves += 1
         self.events.record(
-            self.now(),
-            "repack",
-            src.replica_id,
-            to=dst.replica_id,
-            n=len(parts),
-            ids=[p.traj_id for p in parts],  # `laminar report` draws each move on its rows
+            RepackMove(
+                t=self.now(),
+                actor=src.replica_id,
+                to=dst.replica_id,
+                n=len(parts),
+                ids=[p.traj_id for p in parts],  # `laminar report` draws each move on its rows
+            )
         )
         for p in parts:
             src.inflight.discard(p.traj_id)
@@ -725,11 +740,9 @@ class RolloutManager:
             len(slot.inflight),
         )
         self.events.record(
-            self.now(),
-            "replica_failed",
-            slot.replica_id,
-            reason=reason,
-            inflight=len(slot.inflight),
+            ReplicaFailed(
+                t=self.now(), actor=slot.replica_id, reason=reason, inflight=len(slot.inflight)
+            )
         )
         ids = sorted(slot.inflight)
         slot.inflight.clear()
@@ -762,7 +775,7 @@ class RolloutManager:
         assert self.restart_relay_fn is not None
         rid, t0 = relay.relay_id, self.now()
         log.warning("relay %s (node %s) died: starting a new one", rid, relay.node)
-        self.events.record(t0, "relay_failed", f"relay{rid}")
+        self.events.record(RelayFailed(t=t0, actor=f"relay{rid}"))
         try:
             await self.restart_relay_fn(rid)
         except asyncio.CancelledError:
@@ -782,7 +795,7 @@ class RolloutManager:
         self.relay_restarts += 1
         took = self.now() - t0
         log.warning("relay %s restarted in %.1fs, at version %s", rid, took, relay.version)
-        self.events.record(self.now(), "relay_restart", f"relay{rid}", duration=took)
+        self.events.record(RelayRestarted(t=self.now(), actor=f"relay{rid}", duration=took))
         for s in self.slots:  # its replicas may now load what they missed
             if s.relay is relay:
                 s.wake.set()
@@ -795,7 +808,7 @@ class RolloutManager:
             relay.events.subscribe(self._relay_listener(relay))
         self.slots.append(slot)
         self.by_id[slot.replica_id] = slot
-        self.events.record(self.now(), "replica_added", slot.replica_id, node=relay.node)
+        self.events.record(ReplicaAdded(t=self.now(), actor=slot.replica_id, node=relay.node))
         log.warning("replica %s joined (node %s)", slot.replica_id, relay.node)
         if relay.version > slot.version:
             slot.wake.set()  # pull first
@@ -848,7 +861,7 @@ class RolloutManager:
             version,
         )
         self.events.record(
-            self.now(), "replica_restart", slot.replica_id, duration=took, version=version
+            ReplicaRestarted(t=self.now(), actor=slot.replica_id, duration=took, version=version)
         )
         if slot.relay.version > slot.version:  # load the node's newest before any work
             self._close(slot.replica_id)
@@ -870,11 +883,11 @@ class RolloutManager:
             reason,
             self.replicas_alive,
         )
-        self.events.record(self.now(), "replica_evicted", slot.replica_id, reason=reason)
+        self.events.record(ReplicaEvicted(t=self.now(), actor=slot.replica_id, reason=reason))
         node = slot.relay.node
         if all(s.evicted for s in self.slots if s.relay.node == node):
             log.warning("every replica of node %s was evicted: the node is out", node)
-            self.events.record(self.now(), "node_evicted", f"node{node}")
+            self.events.record(NodeEvicted(t=self.now(), actor=f"node{node}"))
         if self.replicas_alive == 0 and not any(not s.evicted for s in self.slots):
             self._fail(RuntimeError(f"every replica was evicted (the last: {reason})"))
 

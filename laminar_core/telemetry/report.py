@@ -21,12 +21,13 @@ weight_sync.png     per step: the trainer's push stall and the replicas'      me
 index.html          the run's key figures and every plot above                any
 ==================  ========================================================  ===========
 
-A partial run (killed before it wrote ``events.jsonl``, or before its first step) gets the
-plots its files allow and a note per missing input; a directory with neither metrics nor
-events is an error (:class:`ReportError`). Big runs stay fast: events are read into numpy
-columns once and everything is aggregated (in-flight counts per time bin, bars per group
-of steps, at most ``MAX_ROWS`` replicas drawn), so the cost is one pass over the files plus
-a fixed drawing cost.
+A partial run (killed before it wrote ``events.jsonl``, or while writing it, or before its
+first step) gets the plots its files allow and a note per missing input; a directory with
+neither metrics nor events is an error (:class:`ReportError`), and so is an ``events.jsonl``
+that ``telemetry.events.read_events`` does not accept (the message names the line). Big runs
+stay fast: events are read into numpy columns once and everything is aggregated (in-flight
+counts per time bin, bars per group of steps, at most ``MAX_ROWS`` replicas drawn), so the
+cost is one pass over the files plus a fixed drawing cost.
 """
 
 from __future__ import annotations
@@ -42,6 +43,18 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from laminar_core.telemetry.events import (
+    EventsError,
+    RepackMove,
+    ReplicaFailed,
+    TrainStep,
+    TrajectoryDone,
+    WaitData,
+    WeightPull,
+    WeightPush,
+    read_events,
+)
 
 REPORT_DIR = "report"
 TRACE_INFO = "trace_info.json"  # written by ``laminar simulate --trace``
@@ -147,51 +160,48 @@ def _columns(rows: list[tuple], names: tuple[str, ...], kinds: str) -> dict[str,
     return {n: np.asarray(c, dtype=k) for n, c, k in zip(names, cols, kinds)}
 
 
-def read_events(path: Path, notes: list[str]) -> Events:
-    """Parse ``events.jsonl`` (one pass) into :class:`Events` columns."""
+def event_columns(path: Path, notes: list[str]) -> Events:
+    """``events.jsonl``, read through ``telemetry.events`` (one pass), as :class:`Events`
+    columns. A last line cut off by a kill is left out with a note; anything else the schema
+    does not accept raises :class:`ReportError` naming the line."""
+    try:
+        log = read_events(path)
+    except EventsError as e:
+        raise ReportError(f"{e} (move events.jsonl aside to report on the rest)") from e
+    if log.cut_off:
+        notes.append(
+            f"{path.name}: the last line is cut off (the run was killed while writing it) "
+            "and is left out"
+        )
     actors: dict[str, int] = {}
     traj, pulls, repacks, fails, waits, trains, pushes = [], [], [], [], [], [], []
     traj_ids: list[str] = []
     moves: dict[str, list[tuple[float, str]]] = {}  # trajectory id -> [(time, from replica)]
     counts: Counter = Counter()
-    bad = 0
-    loads = json.loads
-    with open(path) as f:
-        for line in f:
-            try:
-                ev = loads(line)
-                kind = ev["kind"]
-                t = float(ev["t"])
-                d = float(ev.get("duration", 0.0))
-            except (json.JSONDecodeError, KeyError, TypeError, ValueError):
-                if line.strip():
-                    bad += 1
-                continue
-            counts[kind] += 1
-            actor = ev.get("actor", "")
-            if kind == "trajectory":
-                a = actors.setdefault(actor, len(actors))
-                traj.append((t, t - d, ev.get("version", 0), a, ev.get("tokens", 0)))
-                traj_ids.append(str(ev.get("id", "")))
-            elif kind == "weight_pull":
-                a = actors.setdefault(actor, len(actors))
-                pulls.append((t, t - d, ev.get("version", 0), a))
-            elif kind == "repack":
-                a = actors.setdefault(actor, len(actors))
-                b = actors.setdefault(str(ev.get("to", "")), len(actors))
-                repacks.append((t, a, b, ev.get("n", 0)))
-                for tid in ev.get("ids") or ():
-                    moves.setdefault(str(tid), []).append((t, actor))
-            elif kind == "replica_failed":
-                fails.append((t, actors.setdefault(actor, len(actors))))
-            elif kind == "wait_data":
-                waits.append((t, t - d, ev.get("step", -1)))
-            elif kind == "train_step":
-                trains.append((t, t - d, ev.get("step", -1)))
-            elif kind == "weight_push":
-                pushes.append((t, t - d, ev.get("version", -1)))
-    if bad:
-        notes.append(f"{path.name}: {bad} unreadable line(s) skipped (a run killed mid-write?)")
+    for e in log.events:
+        counts[e.kind] += 1
+        t, d, actor = float(e.t), float(e.duration), e.actor
+        if isinstance(e, TrajectoryDone):
+            a = actors.setdefault(actor, len(actors))
+            traj.append((t, t - d, e.version, a, e.tokens))
+            traj_ids.append(e.id)
+        elif isinstance(e, WeightPull):
+            a = actors.setdefault(actor, len(actors))
+            pulls.append((t, t - d, e.version, a))
+        elif isinstance(e, RepackMove):
+            a = actors.setdefault(actor, len(actors))
+            b = actors.setdefault(e.to, len(actors))
+            repacks.append((t, a, b, e.n))
+            for tid in e.ids:
+                moves.setdefault(tid, []).append((t, actor))
+        elif isinstance(e, ReplicaFailed):
+            fails.append((t, actors.setdefault(actor, len(actors))))
+        elif isinstance(e, WaitData):
+            waits.append((t, t - d, e.step))
+        elif isinstance(e, TrainStep):
+            trains.append((t, t - d, e.step))
+        elif isinstance(e, WeightPush):
+            pushes.append((t, t - d, e.version))
     # renumber replicas in natural order
     names = sorted(actors, key=_natural_key)
     remap = np.zeros(max(1, len(actors)), dtype=np.int64)
@@ -287,7 +297,7 @@ def load_run(run_dir: str | Path) -> RunData:
             "metrics.jsonl has no steps (the run stopped before its first trainer step): "
             "no reward or throughput plots"
         )
-    events = read_events(epath, notes) if epath.exists() else None
+    events = event_columns(epath, notes) if epath.exists() else None
     if events is None:
         notes.append(
             "events.jsonl is missing (a run killed before its end writes none; "

@@ -4,7 +4,7 @@ Uses ``torch.utils.tensorboard.SummaryWriter`` (needs the ``tensorboard`` packag
 no torch of its own). Optional: when the package is missing the sink logs one warning and
 does nothing, so a run never fails for want of TensorBoard.
 
-Hook it to a :class:`~laminar_core.telemetry.events.MetricsWriter` with
+Hook it to a :class:`~laminar_core.telemetry.metrics.MetricsWriter` with
 ``metrics.add_sink(TensorBoardSink(run_dir / "tensorboard"))``.
 """
 

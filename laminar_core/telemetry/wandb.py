@@ -10,7 +10,7 @@ W&B without it installed is an error that names the install command (a run the u
 to log must not silently log nothing). ``mode: offline`` needs neither network nor account:
 the run is written under ``RUN_DIR/wandb/`` and can be uploaded later with ``wandb sync``.
 
-Hook it to a :class:`~laminar_core.telemetry.events.MetricsWriter` with
+Hook it to a :class:`~laminar_core.telemetry.metrics.MetricsWriter` with
 ``metrics.add_sink(WandbSink(cfg.telemetry.wandb, run_dir, config=resolved.to_dict()))``.
 """
 

@@ -23,30 +23,43 @@ from typing import Any
 
 from laminar_core.config.loader import ResolvedConfig
 from laminar_core.runtime.run import Run
-from laminar_core.testing.audit import AuditReport, audit_run, read_events
+from laminar_core.telemetry.events import (
+    EVENTS_FILE,
+    Event,
+    NodeEvicted,
+    RelayFailed,
+    RelayRestarted,
+    ReplicaAdded,
+    ReplicaEvicted,
+    ReplicaFailed,
+    ReplicaRestarted,
+    TrainerRestarted,
+    read_events,
+)
+from laminar_core.testing.audit import AuditReport, audit_run
 
 log = logging.getLogger(__name__)
 
 FAULT_KINDS = ("replica", "engine", "relay", "master", "trainer", "node", "join")
 
 # the events that say a fault of each kind was noticed, and that it was recovered from
-_DETECTED = {
-    "replica": ("replica_failed",),
-    "engine": ("replica_failed",),
-    "relay": ("relay_failed",),
-    "master": ("relay_failed",),
-    "trainer": ("trainer_restart",),
-    "node": ("replica_failed", "relay_failed", "trainer_restart"),
-    "join": ("replica_added",),
+_DETECTED: dict[str, tuple[type[Event], ...]] = {
+    "replica": (ReplicaFailed,),
+    "engine": (ReplicaFailed,),
+    "relay": (RelayFailed,),
+    "master": (RelayFailed,),
+    "trainer": (TrainerRestarted,),
+    "node": (ReplicaFailed, RelayFailed, TrainerRestarted),
+    "join": (ReplicaAdded,),
 }
-_RECOVERED = {
-    "replica": ("replica_restart", "replica_evicted"),
-    "engine": ("replica_restart", "replica_evicted"),
-    "relay": ("relay_restart",),
-    "master": ("relay_restart",),
-    "trainer": ("trainer_restart",),
-    "node": ("replica_evicted", "node_evicted", "replica_restart"),
-    "join": ("replica_added",),
+_RECOVERED: dict[str, tuple[type[Event], ...]] = {
+    "replica": (ReplicaRestarted, ReplicaEvicted),
+    "engine": (ReplicaRestarted, ReplicaEvicted),
+    "relay": (RelayRestarted,),
+    "master": (RelayRestarted,),
+    "trainer": (TrainerRestarted,),
+    "node": (ReplicaEvicted, NodeEvicted, ReplicaRestarted),
+    "join": (ReplicaAdded,),
 }
 
 
@@ -220,7 +233,7 @@ async def run_with_faults(
         run.events.write_chrome_trace(run_dir / "trace.json")
         counts = (run.manager.redirected, run.manager.restarted)
         await run.close()
-    _measure(outcomes, read_events(run_dir), records, counts)
+    _measure(outcomes, read_events(run_dir / EVENTS_FILE).events, records, counts)
     audit = audit_run(run_dir)
     # the step the run reached (records also hold steps redone after a trainer restart)
     return ChaosResult(run_dir, run.controller.step, outcomes, audit, seen_pids, seen_shm)
@@ -228,7 +241,7 @@ async def run_with_faults(
 
 def _measure(
     outcomes: list[FaultOutcome],
-    events: list[dict],
+    events: list[Event],
     records: list[Any],
     counts: tuple[int, int],
 ) -> None:
@@ -238,21 +251,21 @@ def _measure(
         kind = out.fault.kind
         if kind in ("node", "join"):
             # a node's parts fail and recover together: all of it, up to the next fault
-            after = [e for e in events if out.killed_at <= e["t"] < nxt]
+            after = [e for e in events if out.killed_at <= e.t < nxt]
         else:
             # one part: its own first failure and recovery, even when a later fault was
             # injected while it was coming back (a replica restart outlasts a step or two)
-            after = [e for e in events if out.killed_at <= e["t"]]
+            after = [e for e in events if out.killed_at <= e.t]
             if kind in ("replica", "engine"):
-                after = [e for e in after if e.get("actor") == f"r{out.fault.index}"]
-        det = [e for e in after if e["kind"] in _DETECTED[kind]]
-        rec = [e for e in after if e["kind"] in _RECOVERED[kind]]
+                after = [e for e in after if e.actor == f"r{out.fault.index}"]
+        det = [e for e in after if isinstance(e, _DETECTED[kind])]
+        rec = [e for e in after if isinstance(e, _RECOVERED[kind])]
         if det:
             first = det[0]
-            start = first["t"] - (first["duration"] if first["kind"] == "trainer_restart" else 0)
+            start = first.t - (first.duration if isinstance(first, TrainerRestarted) else 0)
             out.detected_after_s = start - out.killed_at
         if rec:
-            out.recovered_after_s = (rec[-1] if kind == "node" else rec[0])["t"] - out.killed_at
+            out.recovered_after_s = (rec[-1] if kind == "node" else rec[0]).t - out.killed_at
         end_counts = (
             (outcomes[i + 1].redirected, outcomes[i + 1].restarted)
             if i + 1 < len(outcomes)
