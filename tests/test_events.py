@@ -74,3 +74,21 @@ def test_the_log_counts_what_it_does_not_keep() -> None:
     log = ev.EventLog(enabled=False)
     log.record(ev.RelayFailed(t=1.0, actor="relay1"))
     assert log.events == [] and log.counts == {"relay_failed": 1}
+
+
+def test_docs_events_md_lists_every_kind_and_field() -> None:
+    """``docs/events.md`` is the reference: one table row per kind naming each field."""
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "events.md").read_text()
+    rows = {
+        cells[1].strip("` "): cells
+        for line in doc.splitlines()
+        if line.startswith("| `") and len(cells := line.split("|")) > 5
+    }
+    for kind, cls in ev.KINDS.items():
+        if cls is ev.SchemaLine:
+            assert f'"version": {ev.SCHEMA_VERSION}' in doc
+            continue
+        assert kind in rows, f"docs/events.md has no row for {kind!r}"
+        assert f"`{cls.__name__}`" in rows[kind][2]
+        for name in ev._OWN[cls]:
+            assert f"`{name}`" in rows[kind][5], f"docs/events.md: {kind} lacks field {name}"

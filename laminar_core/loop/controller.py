@@ -4,36 +4,35 @@ Per step: ask the experience buffer for a batch (the time spent waiting is train
 time; groups past ``buffer.max_staleness`` are dropped and their prompts handed out again),
 run the trainer group on it, publish the new version through the relay tier (the time until
 the master relay holds it is the trainer's weight-sync stall), tell the rollout manager,
-write one metrics row.
+write one metrics row (``loop.steps``).
 
 Recovery: a trainer group that fails (``TrainerFailure``: a rank died, a collective timed
 out) is restarted by the runtime and restored from the latest checkpoint while the rollouts
 keep generating; the prompts it had trained on since that checkpoint are handed out again, so
-each prompt still contributes to the final model exactly once. A relay tier that cannot
-deliver any new version for ``relay.max_unavailable_s`` stops the run with the cause.
-
-A run in which nothing trains stops: once every trajectory of ``max_failed_steps``
-consecutive steps failed (rewards raising, engines erroring), ``run`` raises a
-``RuntimeError`` naming the first error, instead of "training" on nothing until the end.
+each prompt still contributes to the final model exactly once. The run stops with the cause
+when no new version reaches a relay for ``relay.max_unavailable_s`` (``loop.delivery``) or
+when nothing trains: every trajectory of ``max_failed_steps`` consecutive steps failed
+(``loop.steps.FailedSteps``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from laminar_core.buffers import ExperienceBuffer
 from laminar_core.interfaces import TrainerFailure
 from laminar_core.loop import checkpoint as ckpt
+from laminar_core.loop.delivery import Delivery
 from laminar_core.loop.evaluation import Evaluation
 from laminar_core.loop.manager import RolloutManager
+from laminar_core.loop.steps import FailedSteps, StepRecord, metrics_row, tool_metrics
+from laminar_core.loop.stopping import StopRequested
 from laminar_core.loop.trainer_group import TrainerGroup
-from laminar_core.relay.protocol import RelayUnavailable
 from laminar_core.relay.tier import PublishResult, RelayTier
 from laminar_core.telemetry import EventLog, MetricsWriter, RolloutDump
 from laminar_core.telemetry.events import (
@@ -43,7 +42,7 @@ from laminar_core.telemetry.events import (
     WaitData,
     WeightPush,
 )
-from laminar_core.types import FinishReason, Group, TrainBatch, Trajectory
+from laminar_core.types import Group, TrainBatch
 
 log = logging.getLogger(__name__)
 
@@ -62,50 +61,6 @@ class ControllerOptions:
     max_trainer_restarts: int = 2
     max_unavailable_s: float = 0.0  # no version delivered for this long: stop (0: never)
     max_failed_steps: int = 3  # every trajectory of this many steps failed: stop (0: never)
-
-
-@dataclass
-class StepRecord:
-    step: int
-    version: int  # published after this step
-    start: float
-    train_start: float
-    end: float  # when the trainer may resume (new version at the master relay)
-    tokens: int
-    trajectories: int
-    staleness: list[int]
-    stall: float
-    metrics: dict[str, float] = field(default_factory=dict)
-    reward_mean: float | None = None
-    rollout: dict[str, float] = field(default_factory=dict)  # e.g. tool calls (multi-turn)
-    eval_reward: float | None = None  # the eval round after this step, if one ran
-    eval_seconds: float = 0.0  # its wall time (not loop time: see ``Controller._evaluate``)
-
-
-def tool_metrics(trajs: list[Any]) -> dict[str, float]:
-    """Per-step figures of multi-turn trajectories (``metadata["env"]``): tool calls and
-    turns per trajectory, tool latency p50 / p99 (s), tool errors and timeouts."""
-    envs = [t.metadata["env"] for t in trajs if "env" in t.metadata]
-    if not envs:
-        return {}
-    lat = sorted(x for e in envs for x in e.get("tool_seconds", []))
-
-    def pct(q: float) -> float:
-        return lat[min(len(lat) - 1, int(q * len(lat)))] if lat else 0.0
-
-    errors = [e.get("errors", {}) for e in envs]
-    return {
-        "tool_calls_mean": sum(e.get("tool_calls", 0) for e in envs) / len(envs),
-        "turns_mean": sum(e.get("turns", 0) for e in envs) / len(envs),
-        "tool_latency_p50": pct(0.5),
-        "tool_latency_p99": pct(0.99),
-        "tool_errors": float(sum(sum(v.values()) for v in errors)),
-        "tool_timeouts": float(sum(v.get("timeout", 0) + v.get("no_answer", 0) for v in errors)),
-    }
-
-
-class StopRequested(Exception):
-    """A stop was asked for (SIGTERM, Ctrl-C): the run ends cleanly after a checkpoint."""
 
 
 class Controller:
@@ -145,9 +100,8 @@ class Controller:
         self.stale_dropped = 0  # groups not trained on: older than buffer.max_staleness
         self._since_checkpoint: list[int] = []  # prompts trained since the last checkpoint
         self._republish = False  # after a restore: replicas must get the restored weights
-        self._unavailable_since: float | None = None  # publishes failing since then
-        self._unavailable_why = ""
-        self._failed: list[list[Trajectory]] = []  # trailing steps whose every trajectory failed
+        self.delivery = Delivery(options.max_unavailable_s)
+        self.failed_steps = FailedSteps(options.max_failed_steps)
         self._stop = asyncio.Event()
         self.evaluation: Evaluation | None = None  # eval rounds (loop.evaluation), if any
         self.eval_seconds = 0.0  # eval rounds' wall time so far, kept out of the loop clock
@@ -257,13 +211,13 @@ class Controller:
 
     async def _one_step(self, loop: asyncio.AbstractEventLoop) -> bool:
         """One trainer step; False if it was lost with a failed trainer (recovered)."""
-        self._check_delivery(loop.time())
+        self.delivery.check(loop.time())
         step = self.step
         t0 = loop.time()
         batch = await self._sample()
         t1 = loop.time()
         trajs = batch.trajectories
-        self._check_failures(trajs)
+        self.failed_steps.check(trajs)
         if self.keep_batches:
             self.batches.append(batch)
         try:
@@ -271,7 +225,7 @@ class Controller:
                 await self.trainer.compute_logprobs(batch)
             metrics = await self.trainer.train_step(batch)
             version = self.version + 1
-            pub = await self._publish(version)
+            pub = await self.delivery.publish(self.trainer, version, self.tier)
         except TrainerFailure as e:
             await self._recover_trainer(batch, e)
             return False
@@ -316,7 +270,18 @@ class Controller:
         prev = self.records[-2] if len(self.records) > 1 else None
         # the loop clock resumes where the previous step's eval round (if any) ended
         prev_end = prev.end + prev.eval_seconds if prev is not None else self.t_start
-        row = self._row(rec, prev_end)
+        row = metrics_row(
+            rec,
+            prev_end,
+            rec.end - self.t_start - self.eval_seconds,
+            {s.replica_id: s.version for s in self.manager.slots if s.alive},
+            {
+                "replicas_alive": self.manager.replicas_alive,
+                "replica_restarts": self.manager.replica_restarts,
+                "trainer_restarts": self.trainer_restarts,
+                "stale_dropped": self.stale_dropped,
+            },
+        )
         if self.evaluation is not None and self.evaluation.due(self.step, self.step >= self._steps):
             row.update(await self._evaluate(rec))
         self.metrics.write(row)
@@ -335,33 +300,6 @@ class Controller:
         self.eval_seconds += result.seconds
         return result.row()
 
-    def _check_failures(self, trajs: list[Trajectory]) -> None:
-        """Count the trailing steps whose every trajectory failed; raise at the limit."""
-        if not trajs or any(t.finish_reason is not FinishReason.FAILED for t in trajs):
-            self._failed.clear()
-            return
-        self._failed.append(trajs)
-        n = self.opt.max_failed_steps
-        if n <= 0 or len(self._failed) < n:
-            return
-        failed = [t for step in self._failed for t in step]
-        errors = [t.error or "no error recorded" for t in failed]
-        first = errors[0]
-        others = len(set(errors)) - 1
-        msg = (
-            f"every trajectory of the last {n} steps failed ({len(failed)} trajectories), so "
-            f"nothing trains; the first error: {first}"
-        )
-        if others:
-            msg += f" ({others} other distinct error(s))"
-        if first.startswith("reward:"):
-            msg += (
-                ". When every reward fails, check that the rollout engine copies "
-                "request.metadata into Trajectory.metadata (rewards read the prompt's row "
-                "from it; laminar_core.testing.check_rollout_engine checks it)"
-            )
-        raise RuntimeError(f"{msg}. run.max_failed_steps={n} sets this limit (0: never)")
-
     def _tell_manager(self, pub: PublishResult, version: int, consumed: int) -> None:
         if pub.pushed is None or pub.pushed.done():
             self.manager.on_trainer_step(version, consumed)
@@ -370,47 +308,6 @@ class Controller:
             # the master relay holds it (as without staging), so they do not fill up with
             # work for the old version in the moment before the new one reaches them.
             pub.pushed.add_done_callback(lambda _f: self.manager.on_trainer_step(version, consumed))
-
-    # --- publishing and its failures ----------------------------------------------------------
-
-    async def _publish(self, version: int) -> PublishResult:
-        """Push ``version``. A tier that cannot take it (no live relay: they are being
-        restarted) is survived: rollouts keep their weights; ``_check_delivery`` stops the
-        run once that lasts ``relay.max_unavailable_s``."""
-        loop = asyncio.get_running_loop()
-        try:
-            pub = await self.trainer.publish(version, self.tier)
-        except RelayUnavailable as e:
-            self._undelivered(loop.time(), str(e))
-            return PublishResult(version, 0, 0, 0.0, error=str(e))
-        if pub.pushed is not None and not pub.pushed.done():
-            pub.pushed.add_done_callback(lambda _f: self._pushed(pub, loop.time()))
-        else:
-            self._pushed(pub, loop.time())
-        return pub
-
-    def _pushed(self, pub: PublishResult, now: float) -> None:
-        if pub.error is None and pub.master_seconds is not None:
-            self._unavailable_since, self._unavailable_why = None, ""
-        else:
-            self._undelivered(now, pub.error or "the push to the master failed")
-
-    def _undelivered(self, now: float, why: str) -> None:
-        if self._unavailable_since is None:
-            self._unavailable_since = now
-            log.warning("no relay took the new version (%s); rollouts keep the old one", why)
-        self._unavailable_why = why
-
-    def _check_delivery(self, now: float) -> None:
-        limit = self.opt.max_unavailable_s
-        since = self._unavailable_since
-        if limit > 0 and since is not None and now - since > limit:
-            raise RuntimeError(
-                f"no replica could receive new weights for {now - since:.0f}s "
-                f"({self._unavailable_why}); the relay tier did not come back within "
-                f"relay.max_unavailable_s={limit:g}: check the relay actors' logs, or raise "
-                "relay.max_unavailable_s"
-            )
 
     # --- the trainer's failures ---------------------------------------------------------------
 
@@ -445,7 +342,7 @@ class Controller:
         self.manager.reissue(lost)
         # the restored weights go out as a new version: the replicas leave the lost line
         version = self.version + 1
-        pub = await self._publish(version)
+        pub = await self.delivery.publish(self.trainer, version, self.tier)
         self.version = self.held_version = version
         self._tell_manager(pub, version, self.manager.consumed_groups)
         took = loop.time() - t0
@@ -532,54 +429,3 @@ class Controller:
                 bound,
             )
         return fresh
-
-    def _row(self, rec: StepRecord, prev_end: float) -> dict[str, Any]:
-        period = max(rec.end - prev_end, 1e-12)
-        replicas = {s.replica_id: s.version for s in self.manager.slots if s.alive}
-        return {
-            "step": rec.step,
-            "weight_version": rec.version,
-            "wall_seconds": rec.end - self.t_start - self.eval_seconds,
-            "reward_mean": rec.reward_mean,
-            "trajectories": rec.trajectories,
-            "tokens": rec.tokens,
-            "tokens_per_second": rec.tokens / period,
-            "samples_per_second": rec.trajectories / period,
-            "staleness_mean": sum(rec.staleness) / max(1, len(rec.staleness)),
-            "staleness_max": max(rec.staleness, default=0),
-            "wait_seconds": rec.train_start - rec.start,
-            "stall_seconds": rec.stall,
-            "replica_versions": replicas,
-            "replicas_alive": self.manager.replicas_alive,
-            "replica_restarts": self.manager.replica_restarts,
-            "trainer_restarts": self.trainer_restarts,
-            "stale_dropped": self.stale_dropped,
-            **rec.rollout,
-            **rec.metrics,
-        }
-
-
-def install_stop_handlers(controller: Controller) -> Callable[[], None]:
-    """SIGTERM and SIGINT ask ``controller`` to stop cleanly (a second SIGINT interrupts at
-    once); returns a function that restores the previous handlers."""
-    loop = asyncio.get_running_loop()
-    installed = []
-
-    def on_signal(sig: signal.Signals) -> None:
-        if controller.stop_requested and sig == signal.SIGINT:
-            raise KeyboardInterrupt
-        log.warning("%s: stopping after this step (Ctrl-C again to interrupt)", sig.name)
-        controller.request_stop()
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        try:
-            loop.add_signal_handler(sig, on_signal, sig)
-            installed.append(sig)
-        except (NotImplementedError, RuntimeError, ValueError):  # not the main thread
-            pass
-
-    def restore() -> None:
-        for sig in installed:
-            loop.remove_signal_handler(sig)
-
-    return restore

@@ -44,15 +44,19 @@ if TYPE_CHECKING:
 
 
 class Slot(Protocol):
-    """What a policy reads of a replica (``loop.manager.ReplicaSlot``)."""
+    """What a policy reads of a replica (``loop.supervisor.ReplicaSlot``)."""
 
     replica_id: str
     index: int
     version: int
-    alive: bool
-    updating: bool
     inflight: set[str]
     relay: Any
+
+    @property
+    def alive(self) -> bool: ...
+
+    @property
+    def updating(self) -> bool: ...
 
 
 def load(s: Slot) -> int:

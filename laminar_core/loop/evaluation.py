@@ -66,7 +66,8 @@ from laminar_core.telemetry.events import EvalRound
 from laminar_core.types import FinishReason, GenerationRequest, SamplingParams, Trajectory
 
 if TYPE_CHECKING:
-    from laminar_core.loop.manager import ReplicaSlot, RolloutManager
+    from laminar_core.loop.manager import RolloutManager
+    from laminar_core.loop.supervisor import Pin, ReplicaSlot
     from laminar_core.plugins import PluginManager
     from laminar_core.tasks.build import Tokenizer
 
@@ -161,6 +162,7 @@ class Evaluation:
         t0 = loop.time()
         pending: deque[GenerationRequest] = deque(self._requests(version))
         on: dict[str, int] = {}  # replica id -> eval requests in flight there
+        pins: dict[str, Pin] = {}  # no version change with eval work in flight
         done: list[Trajectory] = []
         failed = reissued = 0
         changed = asyncio.Event()
@@ -170,7 +172,7 @@ class Evaluation:
             on[slot.replica_id] -= 1
             if not on[slot.replica_id]:
                 del on[slot.replica_id]
-                slot.pinned -= 1
+                mgr.supervisor.unpin(pins.pop(slot.replica_id))
                 slot.wake.set()  # the driver may pull now
             changed.set()
 
@@ -215,7 +217,7 @@ class Evaluation:
                     req = pending.popleft()
                     if slot.replica_id not in on:
                         on[slot.replica_id] = 0
-                        slot.pinned += 1  # no version change with eval work in flight
+                        pins[slot.replica_id] = mgr.supervisor.pin(slot)
                     on[slot.replica_id] += 1
                     task = asyncio.ensure_future(one(slot, req))
                     tasks.add(task)

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from laminar_core.config.loader import ResolvedConfig
-from laminar_core.loop.controller import install_stop_handlers
+from laminar_core.loop.stopping import install_stop_handlers
 from laminar_core.models import model_dir
 from laminar_core.runtime.local import LocalRuntime
 from laminar_core.runtime.run import Run, Runtime

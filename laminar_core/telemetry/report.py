@@ -166,8 +166,8 @@ def event_columns(path: Path, notes: list[str]) -> Events:
     does not accept raises :class:`ReportError` naming the line."""
     try:
         log = read_events(path)
-    except EventsError as e:
-        raise ReportError(f"{e} (move events.jsonl aside to report on the rest)") from e
+    except EventsError as err:
+        raise ReportError(f"{err} (move events.jsonl aside to report on the rest)") from err
     if log.cut_off:
         notes.append(
             f"{path.name}: the last line is cut off (the run was killed while writing it) "
