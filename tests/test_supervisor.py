@@ -10,6 +10,8 @@ import dataclasses
 import pytest
 
 from laminar_core import load_config
+from laminar_core.buffers import PartialPool
+from laminar_core.loop.placement import Placement
 from laminar_core.loop.supervisor import (
     TRANSITIONS,
     InvalidTransition,
@@ -17,6 +19,7 @@ from laminar_core.loop.supervisor import (
     ReplicaSlot,
     ReplicaSupervisor,
 )
+from laminar_core.loop.tasks import ManagerTasks
 from laminar_core.relay.events import RelayEvents
 from laminar_core.runtime import Run, build_local_run
 from laminar_core.sim.clock import run_virtual
@@ -96,6 +99,18 @@ def test_a_pin_taken_before_a_restart_does_not_unpin_the_new_engine() -> None:
     with sup.pinned(slot):
         assert slot.pinned == 1
     assert slot.pinned == 0
+
+
+def test_a_turn_can_be_placed_on_an_open_replica_of_a_version() -> None:
+    sup, (r0, r1, r2), _, log = supervisor()
+    r0.version, r1.version, r2.version = 1, 2, 2
+    r1.inflight.update({"a", "b"})
+    place = Placement(sup, PartialPool(), None, ManagerTasks(), log, 8, print, print)  # type: ignore[arg-type]
+    assert place.least_loaded(1) is r0
+    assert place.least_loaded(1, version=2) is r2 and place.least_loaded(1, min_version=2) is r2
+    sup.drain(r2, "newer version")
+    assert place.least_loaded(1, version=2) is r1  # draining replicas take no new turns
+    assert place.least_loaded(7, version=2) is None  # r1 has no room for 7 more
 
 
 # -- the manager keeps to it -----------------------------------------------------------------

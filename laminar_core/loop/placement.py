@@ -12,8 +12,8 @@ replica of the version that generated it, else restarted from its prompt as an *
 which dispatch places on the least-loaded open replica before any new group.
 
 An agent gateway places its sessions' turns the same way: ``launch`` on a replica,
-``place_turn`` with a preferred replica, ``least_loaded`` for an open replica holding at
-least a given version.
+``place_turn`` with a preferred replica, ``least_loaded`` for an open replica holding a given
+version (or at least one).
 """
 
 from __future__ import annotations
@@ -82,14 +82,18 @@ class Placement:
         self.finished = asyncio.Event()  # set whenever a trajectory finished
 
     # -- choosing and launching ------------------------------------------------------------------
-    def least_loaded(self, need: int, min_version: int = -(1 << 62)) -> ReplicaSlot | None:
+    def least_loaded(
+        self, need: int, min_version: int = -(1 << 62), version: int | None = None
+    ) -> ReplicaSlot | None:
         """The open replica with the fewest trajectories in flight that has room for ``need``
-        more and holds at least ``min_version`` (ties: the one that opened first). Used for
-        orphans; groups go through the schedule's dispatch policy."""
+        more and holds at least ``min_version`` (exactly ``version``, if given; ties: the one
+        that opened first). Used for orphans; groups go through the schedule's dispatch
+        policy."""
         best, best_load, limit = None, 1 << 62, self.max_concurrent - need
         for s in self.supervisor.open.values():
             n = load(s)
-            if n < best_load and n <= limit and s.version >= min_version:
+            ok = n < best_load and n <= limit and s.version >= min_version
+            if ok and (version is None or s.version == version):
                 best, best_load = s, n
         return best
 
