@@ -1,7 +1,8 @@
 """The controller: the driver's step loop.
 
 Per step: ask the experience buffer for a batch (the time spent waiting is trainer idle
-time; groups past ``buffer.max_staleness`` are dropped and their prompts handed out again),
+time; groups past ``buffer.max_staleness`` are dropped and their prompts handed out again:
+``loop.sampling``),
 run the trainer group on it, publish the new version through the relay tier (the time until
 the master relay holds it is the trainer's weight-sync stall), tell the rollout manager,
 write one metrics row (``loop.steps``).
@@ -30,6 +31,7 @@ from laminar_core.loop import checkpoint as ckpt
 from laminar_core.loop.delivery import Delivery
 from laminar_core.loop.evaluation import Evaluation
 from laminar_core.loop.manager import RolloutManager
+from laminar_core.loop.sampling import BatchSource
 from laminar_core.loop.steps import FailedSteps, StepRecord, metrics_row, tool_metrics
 from laminar_core.loop.stopping import StopRequested
 from laminar_core.loop.trainer_group import TrainerGroup
@@ -42,7 +44,7 @@ from laminar_core.telemetry.events import (
     WaitData,
     WeightPush,
 )
-from laminar_core.types import Group, TrainBatch
+from laminar_core.types import TrainBatch
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +59,7 @@ class ControllerOptions:
     checkpoint_every: int = 0  # steps between checkpoints; 0: only at the end; -1: never
     checkpoint_on_stop: bool = True  # a stop request (SIGTERM, Ctrl-C) saves one first
     max_staleness: int | None = None  # groups older than this are not trained on
-    stale_policy: str = "drop"  # drop: hand the prompt out again; wait: see _sample
+    stale_policy: str = "drop"  # drop: hand the prompt out again; wait: see loop.sampling
     max_trainer_restarts: int = 2
     max_unavailable_s: float = 0.0  # no version delivered for this long: stop (0: never)
     max_failed_steps: int = 3  # every trajectory of this many steps failed: stop (0: never)
@@ -93,16 +95,22 @@ class Controller:
         self.step = 0  # steps the trainer's current weights went through, as the loop counts
         self.version = 0  # the newest version published (versions only grow)
         self.held_version = 0  # the version the trainer's weights were published as
-        self.batches_taken = 0  # batches taken from the buffer (lost ones too): the next tag
         self.t_start = 0.0
         self.consumed_prompts: set[int] = set()  # prompt indices trained into the weights
         self.trainer_restarts = 0
-        self.stale_dropped = 0  # groups not trained on: older than buffer.max_staleness
         self._since_checkpoint: list[int] = []  # prompts trained since the last checkpoint
         self._republish = False  # after a restore: replicas must get the restored weights
         self.delivery = Delivery(options.max_unavailable_s)
         self.failed_steps = FailedSteps(options.max_failed_steps)
         self._stop = asyncio.Event()
+        self.batches_in = BatchSource(
+            buffer,
+            manager,
+            self._stop,
+            options.groups_per_step,
+            options.max_staleness,
+            options.stale_policy,
+        )
         self.evaluation: Evaluation | None = None  # eval rounds (loop.evaluation), if any
         self.eval_seconds = 0.0  # eval rounds' wall time so far, kept out of the loop clock
         self._steps = 0  # the step count run() was asked to reach
@@ -145,7 +153,7 @@ class Controller:
             ) from e
         self.step = int(state["step"])
         self.version = self.held_version = int(state.get("version", self.step))
-        self.batches_taken = self.step
+        self.batches_in.taken = self.step
         self.manager.prompts.load_state_dict(state["prompts"])
         self.manager.resume_at(self.step)
         self._republish = self.version > 0
@@ -214,7 +222,7 @@ class Controller:
         self.delivery.check(loop.time())
         step = self.step
         t0 = loop.time()
-        batch = await self._sample()
+        batch = await self.batches_in.next(self.held_version)
         t1 = loop.time()
         trajs = batch.trajectories
         self.failed_steps.check(trajs)
@@ -279,7 +287,7 @@ class Controller:
                 "replicas_alive": self.manager.replicas_alive,
                 "replica_restarts": self.manager.replica_restarts,
                 "trainer_restarts": self.trainer_restarts,
-                "stale_dropped": self.stale_dropped,
+                "stale_dropped": self.batches_in.stale_dropped,
             },
         )
         if self.evaluation is not None and self.evaluation.due(self.step, self.step >= self._steps):
@@ -364,68 +372,3 @@ class Controller:
                 lost_steps=lost_steps,
             )
         )
-
-    # --- sampling -----------------------------------------------------------------------------
-
-    async def _sample(self) -> TrainBatch:
-        """The next batch, unless the rollout manager breaks first (then raise) or a stop is
-        requested (``StopRequested``). With the FIFO sampler, groups past
-        ``buffer.max_staleness`` are dropped and more are taken in their place; the
-        by-batch sampler's schedules bound staleness themselves."""
-        n, tag = self.opt.groups_per_step, self.batches_taken
-        bound = self.opt.max_staleness
-        if bound is not None and self.opt.stale_policy == "wait":
-            # the next publish must not leave a running trajectory more than the bound behind
-            await self._until(self.manager.wait_inflight_from(self.held_version + 1 - bound))
-        groups: list[Group] = []
-        while len(groups) < n:
-            got = (await self._take(tag, n - len(groups))).groups
-            groups += self._fresh(got) if self.buffer.sampler_name == "fifo" else got
-        self.batches_taken += 1
-        return TrainBatch(tag, groups, version=self.held_version)
-
-    async def _take(self, tag: int, n: int) -> TrainBatch:
-        return await self._until(self.buffer.sample(tag, n))
-
-    async def _until(self, aw: Awaitable[Any]) -> Any:
-        """``await aw``, unless the rollout manager breaks first (then raise) or a stop is
-        requested (``StopRequested``)."""
-        sample = asyncio.ensure_future(aw)
-        stop = asyncio.ensure_future(self._stop.wait())
-        waits = {sample, stop}
-        fatal = self.manager.fatal
-        if fatal is not None:
-            waits.add(fatal)
-        try:
-            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            stop.cancel()
-        if fatal is not None and fatal.done():
-            sample.cancel()
-            error = fatal.exception()
-            raise RuntimeError(f"rollout manager failed: {error}") from error
-        if not sample.done():
-            sample.cancel()
-            raise StopRequested()
-        return sample.result()
-
-    def _fresh(self, groups: list[Group]) -> list[Group]:
-        """``groups`` within ``buffer.max_staleness`` versions of the trainer's; the others
-        are dropped and their prompts handed out again."""
-        bound = self.opt.max_staleness
-        if bound is None:
-            return groups
-        fresh, stale = [], []
-        for g in groups:
-            oldest = min((t.version for t in g.trajectories), default=self.held_version)
-            (stale if self.held_version - oldest > bound else fresh).append(g)
-        if stale:
-            self.stale_dropped += len(stale)
-            self.manager.reissue([g.prompt_index for g in stale])
-            log.warning(
-                "dropped %d group(s) older than buffer.max_staleness=%d; their prompts are "
-                "handed out again",
-                len(stale),
-                bound,
-            )
-        return fresh

@@ -44,14 +44,7 @@ from laminar_core.telemetry import EventLog
 from laminar_core.telemetry.events import ReplicaAdded, ReplicaFailed
 from laminar_core.types import GenerationRequest, Move, ReplicaState
 
-__all__ = [
-    "ManagerOptions",
-    "NodeRelayLike",
-    "ReplicaSlot",
-    "RestartFn",
-    "RewardFn",
-    "RolloutManager",
-]
+__all__ = ["ManagerOptions", "NodeRelayLike", "ReplicaSlot", "RewardFn", "RolloutManager"]
 
 log = logging.getLogger(__name__)
 
