@@ -48,7 +48,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
-import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -57,8 +56,6 @@ from laminar_core.interfaces import RolloutEngine, WeightsRef
 from laminar_core.relay.events import RelayEvents
 from laminar_core.telemetry import EventLog
 from laminar_core.telemetry.events import ReplicaTransition
-
-log = logging.getLogger(__name__)
 
 
 class ReplicaPhase(enum.Enum):
