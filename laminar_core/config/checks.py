@@ -10,7 +10,7 @@ from __future__ import annotations
 import difflib
 
 from laminar_core.config.loader import ConfigError, close_match
-from laminar_core.config.schema import LaminarConfig
+from laminar_core.config.schema import VERSION_POLICIES, LaminarConfig
 
 # synthetic: lengths only (simulator); jsonl/parquet: data.path; task: a registered generator
 DATA_SOURCES = ("synthetic", "jsonl", "parquet", "task")
@@ -23,12 +23,22 @@ def check_values(cfg: LaminarConfig) -> None:
     _telemetry(cfg)
     _data_reward(cfg)
     _runtime(cfg)
+    _agent(cfg)
     import torch  # only here: parsing a config must not pay for torch
 
     if not isinstance(getattr(torch, cfg.model.dtype, None), torch.dtype):
         raise ConfigError(
             f"model.dtype: '{cfg.model.dtype}' is not a torch dtype; e.g. bfloat16, float16, "
             f"float32{close_match(cfg.model.dtype, ('bfloat16', 'float16', 'float32'))}"
+        )
+
+
+def _agent(cfg: LaminarConfig) -> None:
+    policy = cfg.agent.version_policy
+    if policy not in VERSION_POLICIES:
+        raise ConfigError(
+            f"agent.version_policy: unknown '{policy}'; known: {', '.join(VERSION_POLICIES)}"
+            f"{close_match(policy, VERSION_POLICIES)}"
         )
 
 

@@ -296,6 +296,22 @@ class EnvConfig:
     options: dict[str, Any] = field(default_factory=dict)
 
 
+VERSION_POLICIES = ("latest", "pin")
+
+
+@dataclass
+class AgentConfig:
+    """The ``agent:`` section: agents that own their loop, served by the gateway
+    (``docs/agents.md``).
+
+    ``version_policy``: which weights a session's calls get. ``latest``: each call goes to
+    a replica of the newest version it can get (a session may span versions; every token
+    records its own); ``pin``: a session's calls all use the version of its first call.
+    """
+
+    version_policy: str = "latest"
+
+
 @dataclass
 class LaminarConfig:
     run: RunConfig = field(default_factory=RunConfig)
@@ -314,6 +330,7 @@ class LaminarConfig:
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
 
 
 # section -> (field naming the engine, plugin kind): extra keys there are engine options
