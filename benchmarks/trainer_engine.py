@@ -162,7 +162,7 @@ class PlainLoop:
         self.optim = torch.optim.AdamW(self.model.parameters(), lr=1e-6)
 
     def _logprobs(self, mb) -> torch.Tensor:
-        from laminar_fsdp.batching import responses
+        from laminar_core.training import responses
 
         dev = self.device
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
@@ -177,7 +177,7 @@ class PlainLoop:
 
     def step(self, batch) -> None:
         from laminar_core.algorithms import compute_advantages, policy_loss
-        from laminar_fsdp.batching import collate, pack_micro_batches, padded, response_mask
+        from laminar_core.training import collate, pack_micro_batches, padded, response_mask
 
         trajs = batch.trajectories
         gid = {g: i for i, g in enumerate(dict.fromkeys(t.group_id for t in trajs))}
@@ -203,7 +203,7 @@ class PlainLoop:
         self.optim.step()
 
     def saved_bytes(self, batch) -> int:
-        from laminar_fsdp.batching import collate, pack_micro_batches
+        from laminar_core.training import collate, pack_micro_batches
         from laminar_fsdp.memory import saved_activations
 
         trajs = batch.trajectories

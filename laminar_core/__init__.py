@@ -34,7 +34,6 @@ from laminar_core.interfaces import (
     TransportError,
     WeightsRef,
     WeightTransport,
-    add_logprob_agreement,
     iterate_in_thread,
     to_device,
 )
@@ -48,6 +47,12 @@ from laminar_core.relay.wire import HEADER_BYTES as BUCKET_HEADER_BYTES
 from laminar_core.relay.wire import decode_bucket_header, encode_bucket_header
 from laminar_core.runtime.resolve import load_config
 from laminar_core.tasks import DataError, DataReport, RewardError, build_prompts, build_reward
+from laminar_core.training import (
+    BatchLayout,
+    MicroBatch,
+    ModelTrainerEngine,
+    add_logprob_agreement,
+)
 from laminar_core.types import (
     Bucket,
     EngineStats,
@@ -70,6 +75,7 @@ __all__ = [
     "BUCKET_HEADER_BYTES",
     "AlgorithmConfig",
     "Alloc",
+    "BatchLayout",
     "Bucket",
     "BuildContext",
     "ConfigError",
@@ -88,7 +94,9 @@ __all__ = [
     "InFlightTrajectories",
     "LaminarConfig",
     "LiveTrajectory",
+    "MicroBatch",
     "ModelOnly",
+    "ModelTrainerEngine",
     "Move",
     "PartialTrajectory",
     "PluginManager",

@@ -20,7 +20,6 @@ from laminar_core.interfaces.trainer import (
     TrainerContext,
     TrainerEngine,
     TrainerFailure,
-    add_logprob_agreement,
     iterate_in_thread,
     to_device,
 )
@@ -60,7 +59,6 @@ __all__ = [
     "TransportError",
     "WeightTransport",
     "WeightsRef",
-    "add_logprob_agreement",
     "build",
     "iterate_in_thread",
     "to_device",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import os
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -117,26 +117,6 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type != "cuda" or t.device.type != "cpu":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
-
-
-def add_logprob_agreement(
-    acc: torch.Tensor,
-    logprobs: torch.Tensor,
-    behaviour: torch.Tensor,
-    mask: torch.Tensor,
-    rows: Sequence[bool],
-) -> None:
-    """Add ``|logprobs - behaviour|`` (``[B, T]``) over the masked tokens of the rows marked
-    in ``rows`` into ``acc = [max, sum, tokens]`` (float64, on the tensors' device): the
-    trainer-vs-rollout log-prob gap an engine reports, kept on the device so that it is read
-    once per step, not once per micro-batch."""
-    if not any(rows):
-        return
-    weight = mask * to_device(torch.tensor(rows, dtype=mask.dtype), mask.device)[:, None]
-    d = ((logprobs - behaviour).abs() * weight).double()
-    acc[0] = torch.maximum(acc[0], d.max())
-    acc[1] += d.sum()
-    acc[2] += weight.sum()
 
 
 async def iterate_in_thread(

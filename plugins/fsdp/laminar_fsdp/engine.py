@@ -4,9 +4,10 @@ Every rank gets the whole ``TrainBatch`` and computes the same deterministic spl
 groups by token balance, then packed micro-batches of ``micro_batch_tokens`` real tokens per
 rank), so the ranks never exchange trajectories. With ``sequence_parallel: N`` the N ranks of a
 group share each packed row (Ulysses all-to-all around attention, ``ulysses.py``); FSDP shards
-the parameters over all ranks. The objective is core's ``policy_loss`` on per-trajectory
-response log-probs; this engine computes those log-probs without ever building
-``[tokens, vocab]`` logits (``policy.py``). Weights are exported as full tensors under the
+the parameters over all ranks. Core's ``ModelTrainerEngine`` drives the step (which
+trajectories train, advantages, mini- and micro-batches, the loss, the metrics); this engine
+runs the model: per-trajectory response log-probs without ever building ``[tokens, vocab]``
+logits (``policy.py``), backward, the optimiser. Weights are exported as full tensors under the
 Hugging Face names that vLLM and SGLang load, bucket by bucket (``export.py``). Checkpoints
 are torch distributed checkpoints (sharded model + optimizer) plus a small JSON with the step
 and the LR scheduler.
@@ -28,30 +29,18 @@ import torch
 import torch.distributed as dist
 
 from laminar_core import (
+    BatchLayout,
     BuildContext,
+    MicroBatch,
+    ModelTrainerEngine,
     TrainBatch,
     TrainerContext,
-    TrainerEngine,
-    Trajectory,
-    add_logprob_agreement,
     free_port,
     model_dir,
     to_device,
 )
-from laminar_core.algorithms import compute_advantages, policy_loss_terms
+from laminar_core.training import LossFn, plan_micro_batches, responses, trainable
 from laminar_fsdp import attention, ulysses
-from laminar_fsdp.batching import (
-    MicroBatch,
-    assign_ranks,
-    collate,
-    collate_packed,
-    empty_micro_batch,
-    pack_bins,
-    pack_micro_batches,
-    padded,
-    responses,
-    trainable,
-)
 from laminar_fsdp.export import WeightStream, export_buckets
 from laminar_fsdp.memory import SavedBytes, saved_activations
 from laminar_fsdp.options import FSDPOptions
@@ -64,7 +53,7 @@ _STATE_FILE = "trainer_state.json"
 T = TypeVar("T")
 
 
-class FSDPTrainerEngine(TrainerEngine):
+class FSDPTrainerEngine(ModelTrainerEngine):
     Options = FSDPOptions
 
     @classmethod
@@ -72,11 +61,8 @@ class FSDPTrainerEngine(TrainerEngine):
         return cls(ctx.config, ctx.options or FSDPOptions())
 
     def __init__(self, config: Any, options: FSDPOptions | None = None) -> None:
-        self.cfg = config
+        super().__init__(config)
         self.opt = options or FSDPOptions()
-        self.version = 0  # optimiser steps taken (the weight version held, unless
-        # a restarted run republished them under a newer one: ``_held``)
-        self._held = 0
         self.rank, self.world = 0, 1
         # sequence parallelism: ranks [dp_rank * sp, (dp_rank + 1) * sp) share a packed row
         self.sp, self.dp, self.sp_rank, self.dp_rank = 1, 1, 0, 0
@@ -85,10 +71,9 @@ class FSDPTrainerEngine(TrainerEngine):
         self.device = torch.device("cpu")
         self.model: PolicyModel | None = None
         self.lm: torch.nn.Module | None = None
-        self._recomputed: dict[str, torch.Tensor] = {}
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="laminar-fsdp")
 
-    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+    async def run_blocking(self, fn: Callable[..., T], *args: Any) -> T:
         """Blocking work off the event loop, always on the engine's one worker thread: the
         CUDA device is per thread, collectives must run in one order, and DTensor caches its
         sharding decisions per thread (a fresh thread re-derives them: ~0.4 s per step for
@@ -106,14 +91,14 @@ class FSDPTrainerEngine(TrainerEngine):
 
     # -- setup -------------------------------------------------------------------------------
     async def setup(self, ctx: TrainerContext) -> None:
-        await self._run(self._setup, ctx)
+        await self.run_blocking(self._setup, ctx)
 
     def _setup(self, ctx: TrainerContext) -> None:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         from transformers import AutoModelForCausalLM
 
-        self.rank, self.world, self.algo = ctx.rank, ctx.world_size, ctx.algorithm
+        self.rank, self.world = ctx.rank, ctx.world_size
         self.sp = self.opt.sequence_parallel
         if self.world % self.sp:
             raise ValueError(
@@ -243,183 +228,63 @@ class FSDPTrainerEngine(TrainerEngine):
             ent = gather_sequence(ent, row) if ent is not None else None
         return lp, ent
 
-    def _plan(self, trajs: list[Trajectory], chunk: list[int]) -> list[MicroBatch]:
-        """This rank's micro-batches over ``chunk`` (indices into ``trajs``), padded with empty
-        ones to the largest count of any data-parallel group. The ranks of a
-        sequence-parallel group get the same micro-batches (and split each row)."""
-        lengths = [len(t.prompt_ids) + len(t.response_ids) for t in trajs]
-        per_group = assign_ranks([lengths[i] for i in chunk], self.dp)
-        pack = self.opt.pack
-        budget = self.opt.micro_batch_tokens * self.sp
-        group = pack_bins if pack else pack_micro_batches
-        plans = [group(lengths, [chunk[j] for j in mine], budget) for mine in per_group]
-        n = max(len(p) for p in plans)
-        if pack:
-            mine = [collate_packed(trajs, idx, self.pad_id, self.sp) for idx in plans[self.dp_rank]]
-        else:
-            mine = [collate(trajs, idx, self.pad_id) for idx in plans[self.dp_rank]]
-        empty = [empty_micro_batch(self.pad_id, pack, self.sp) for _ in range(n - len(mine))]
-        return mine + empty
+    # -- what core's step asks of the model -----------------------------------------------------
+    def batch_layout(self) -> BatchLayout:
+        """Packed rows of ``micro_batch_tokens`` real tokens per rank (x the sequence-parallel
+        degree: the ranks of a group share each row) or padded ones; every data-parallel
+        group runs as many micro-batches (FSDP's collectives run in each); the group's first
+        rank reports (its ranks compute the same loss and metrics)."""
+        return BatchLayout(
+            device=self.device,
+            pad_id=self.pad_id,
+            token_budget=self.opt.micro_batch_tokens * self.sp,
+            packed=self.opt.pack,
+            row_multiple=self.sp,
+            dp_size=self.dp,
+            dp_rank=self.dp_rank,
+            lockstep=True,
+            reports=self.sp_rank == 0,
+        )
 
-    async def compute_logprobs(self, batch: TrainBatch) -> list[list[float]]:
-        return await self._run(self._compute_logprobs, batch)
+    def forward(self, micro_batches: list[MicroBatch]) -> list[torch.Tensor]:
+        # every micro-batch is queued before core's one host copy waits for the GPU
+        return [responses(self._forward(mb)[0], mb.spans) for mb in micro_batches]
 
-    @torch.no_grad()
-    def _compute_logprobs(self, batch: TrainBatch) -> list[list[float]]:
-        trajs = trainable(batch.trajectories)
-        self._recomputed.clear()
-        done = []  # every micro-batch queued before the first host copy waits for the GPU
-        for mb in self._plan(trajs, list(range(len(trajs)))):
-            lp, _ = self._forward(mb)
-            done.append((mb, responses(lp, mb.spans)))
-        for mb, resp in done:
-            resp = resp.cpu()
-            for k, (i, (_, _, n)) in enumerate(zip(mb.index, mb.spans, strict=True)):
-                self._recomputed[trajs[i].traj_id] = resp[k, :n].clone()
-        return [
-            self._recomputed[t.traj_id].tolist() if t.traj_id in self._recomputed else []
-            for t in batch.trajectories
-        ]
+    def forward_backward(self, micro_batches: list[MicroBatch], loss_fn: LossFn) -> None:
+        self.optim.zero_grad(set_to_none=True)
+        for mb in micro_batches:
+            lp_rows, ent_rows = self._forward(mb, with_entropy=True)
+            if not mb.index:
+                (lp_rows.sum() * 0.0).backward()  # keeps FSDP's collectives in step
+                continue
+            ent = responses(ent_rows, mb.spans) if ent_rows is not None else None
+            loss = loss_fn(mb, responses(lp_rows, mb.spans), ent)
+            # FSDP averages gradients over all ranks; scaling by world makes the sum over
+            # ranks' shares the batch-level objective (each rank of a sequence-parallel
+            # group back-propagates the shared loss through its own columns only).
+            (loss * self.world).backward()
 
-    def _recomputed_like(
-        self, trajs: list[Trajectory], mb: MicroBatch, width: int
-    ) -> torch.Tensor | None:
-        if self.algo.off_policy == "none":
-            return None
-        rows = []
-        for i in mb.index:
-            got = self._recomputed.get(trajs[i].traj_id)
-            if got is None:
-                raise RuntimeError(
-                    f"off_policy={self.algo.off_policy!r} needs compute_logprobs before "
-                    f"train_step (trajectory {trajs[i].traj_id} has no recomputed log-probs)"
-                )
-            rows.append(got)
-        return to_device(padded(rows, width), self.device)
+    def optimizer_step(self) -> torch.Tensor:
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.opt.grad_clip)
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        self.optim.step()
+        self.sched.step()
+        return norm
+
+    def learning_rate(self) -> float:
+        return self.optim.param_groups[0]["lr"]
 
     def saved_activation_bytes(self, batch: TrainBatch) -> SavedBytes:
         """What one micro-batch's forward keeps for backward: the micro-batch of this rank
         with the most real tokens (``memory.saved_activations``). Collective, like a step."""
         trajs = trainable(batch.trajectories)
-        plan = self._plan(trajs, list(range(len(trajs))))
+        plan = plan_micro_batches(trajs, list(range(len(trajs))), self.batch_layout())
         mb = max(plan, key=lambda m: m.real_tokens)  # the first of the largest
         with saved_activations(_decoder_layers(self.lm)) as saved:
             lp, _ = self._forward(mb)
         (lp.sum() * 0.0).backward()  # frees the graph and keeps FSDP's collectives in step
         self.optim.zero_grad(set_to_none=True)
         return saved
-
-    # -- training ----------------------------------------------------------------------------
-    async def train_step(self, batch: TrainBatch) -> dict[str, float]:
-        return await self._run(self._train_step, batch)
-
-    def _train_step(self, batch: TrainBatch) -> dict[str, float]:
-        trajs = trainable(batch.trajectories)
-        # metric sums stay on the device until the step's end: a host read per micro-batch
-        # would stop the host from queueing kernels ahead of the GPU
-        sums: dict[str, torch.Tensor] = {}
-        diff = torch.zeros(3, dtype=torch.float64, device=self.device)  # max, sum |Δlogp|, tokens
-        # the version these weights were published as: the run's (``batch.version``) can run
-        # ahead of the optimiser steps taken after a trainer restart; a bare batch: ours
-        self._held = batch.version if batch.version >= 0 else self.version
-        if trajs:
-            advantages = self._advantages(trajs)
-            chunks = _split(len(trajs), max(1, min(self.cfg.trainer.mini_batches, len(trajs))))
-            for c, chunk in enumerate(chunks):
-                self._update(trajs, chunk, advantages, sums, diff if c == 0 else None)
-        # one all-reduce for every figure: metric sums, then the log-prob agreement stats. A
-        # rank that ran only empty micro-batches has no metric keys: agree on the union first.
-        keys = sorted(sums)
-        if self.world > 1:
-            every: list[list[str]] = [[] for _ in range(self.world)]
-            dist.all_gather_object(every, keys)
-            keys = sorted(set().union(*every))
-        zero = torch.zeros((), dtype=torch.float64, device=self.device)
-        flat = torch.stack([sums.get(k, zero) for k in keys] + [diff[1], diff[2]])
-        dmax = diff[:1].clone()
-        if self.world > 1:
-            dist.all_reduce(flat)
-            dist.all_reduce(dmax, op=dist.ReduceOp.MAX)
-        flat, dmax = flat.cpu(), dmax.cpu()  # the step's one wait for the device
-        n_chunks = max(1, min(self.cfg.trainer.mini_batches, len(trajs))) if trajs else 1
-        out = {k: flat[i].item() / n_chunks for i, k in enumerate(keys)}
-        out["lr"] = self.optim.param_groups[0]["lr"]
-        out["trained_trajectories"] = float(len(trajs))
-        tokens = flat[-1].item()
-        if tokens:
-            out["logprob_abs_diff_max"] = dmax.item()
-            out["logprob_abs_diff_mean"] = flat[-2].item() / tokens
-            out["logprob_diff_tokens"] = tokens
-        self.version += 1
-        return out
-
-    def _advantages(self, trajs: list[Trajectory]) -> torch.Tensor:
-        groups: dict[str, int] = {}
-        gids = torch.tensor([groups.setdefault(t.group_id, len(groups)) for t in trajs])
-        rewards = torch.tensor([float(t.reward) for t in trajs])
-        kw = {"eps": self.algo.adv_eps} if self.algo.advantage in ("grpo", "reinforce_pp") else {}
-        return compute_advantages(self.algo.advantage, rewards, gids, **kw)
-
-    def _update(
-        self,
-        trajs: list[Trajectory],
-        chunk: list[int],
-        advantages: torch.Tensor,
-        sums: dict[str, torch.Tensor],
-        diff: torch.Tensor | None,
-    ) -> None:
-        token_level = self.algo.loss_agg == "token_mean"
-        # only the tokens the model generated count (``Trajectory.loss_mask``: a tool's output
-        # appended between turns is 0); sequences with none do not count as sequences either
-        masks = {i: trajs[i].response_mask() for i in chunk}
-        counts = {i: sum(1 for m in masks[i] if m) for i in chunk}
-        tokens = sum(counts.values())
-        total = max(1, tokens if token_level else sum(1 for i in chunk if counts[i]))
-        # the ranks of a sequence-parallel group compute the same loss and metrics: only
-        # the group's first rank reports them, so the all-reduce counts each once
-        report = self.sp_rank == 0
-        self.optim.zero_grad(set_to_none=True)
-        for mb in self._plan(trajs, chunk):
-            lp_rows, ent_rows = self._forward(mb, with_entropy=True)
-            if not mb.index:
-                (lp_rows.sum() * 0.0).backward()  # keeps FSDP's collectives in step
-                continue
-            lp = responses(lp_rows, mb.spans)
-            width = max(n for _, _, n in mb.spans)
-            mask = to_device(padded([masks[i] for i in mb.index], width), self.device)
-            behaviour = to_device(padded([trajs[i].logprobs for i in mb.index], width), self.device)
-            recomputed = self._recomputed_like(trajs, mb, width)
-            loss, metrics = policy_loss_terms(
-                self.algo,
-                lp,
-                behaviour,
-                to_device(advantages[mb.index], self.device),
-                mask,
-                old_logprobs=recomputed,
-                proximal_logprobs=recomputed,
-                max_len=self.cfg.rollout.max_tokens,
-            )
-            mine = [counts[i] for i in mb.index]
-            frac = (sum(mine) if token_level else sum(1 for c in mine if c)) / total
-            # FSDP averages gradients over all ranks; scaling by world makes the sum over
-            # ranks' shares the batch-level objective (each rank of a sequence-parallel
-            # group back-propagates the shared loss through its own columns only).
-            (loss * frac * self.world).backward()
-            share = frac if report else 0.0  # same keys on every rank: the all-reduce needs them
-            for k, v in metrics.items():
-                sums[k] = sums.get(k, 0.0) + v.double() * share
-            if report:
-                ent = (responses(ent_rows, mb.spans) * mask).sum().double()
-                sums["entropy"] = sums.get("entropy", 0.0) + ent / max(1, tokens)
-            if diff is not None and report:
-                # against the version the run published these weights as (``self._held``)
-                rows = [trajs[i].generated_only_by(self._held) for i in mb.index]
-                add_logprob_agreement(diff, lp.detach(), behaviour, mask, rows)
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.opt.grad_clip)
-        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-        sums["grad_norm"] = sums.get("grad_norm", 0.0) + norm.double() / self.world
-        self.optim.step()
-        self.sched.step()
 
     # -- weights -----------------------------------------------------------------------------
     async def export_weights(self) -> AsyncIterator[tuple[str, torch.Tensor]]:
@@ -447,7 +312,7 @@ class FSDPTrainerEngine(TrainerEngine):
 
     # -- checkpoints -------------------------------------------------------------------------
     async def save_checkpoint(self, directory: str) -> None:
-        await self._run(self._save, directory)
+        await self.run_blocking(self._save, directory)
 
     def _save(self, directory: str) -> None:
         import torch.distributed.checkpoint as dcp
@@ -462,7 +327,7 @@ class FSDPTrainerEngine(TrainerEngine):
             dist.barrier()
 
     async def load_checkpoint(self, directory: str) -> None:
-        await self._run(self._load, directory)
+        await self.run_blocking(self._load, directory)
 
     def _load(self, directory: str) -> None:
         import torch.distributed.checkpoint as dcp
@@ -483,7 +348,7 @@ class FSDPTrainerEngine(TrainerEngine):
 
     async def close(self) -> None:
         if dist.is_initialized():
-            await self._run(dist.destroy_process_group)
+            await self.run_blocking(dist.destroy_process_group)
         self._pool.shutdown(wait=False)
 
 
@@ -492,14 +357,3 @@ def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     base = getattr(model, getattr(model, "base_model_prefix", "model"), model)
     layers = getattr(base, "layers", None) or getattr(base, "h", None)
     return list(layers) if layers is not None else []
-
-
-def _split(n: int, parts: int) -> list[list[int]]:
-    """``range(n)`` in ``parts`` contiguous chunks of near-equal size."""
-    size, extra = divmod(n, parts)
-    out, start = [], 0
-    for p in range(parts):
-        end = start + size + (1 if p < extra else 0)
-        out.append(list(range(start, end)))
-        start = end
-    return out

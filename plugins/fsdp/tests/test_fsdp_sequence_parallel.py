@@ -18,6 +18,7 @@ import torch.multiprocessing as mp
 from fsdp_batches import config, long_tail_batch
 
 from laminar_core import TrainerContext, free_port
+from laminar_core.training import plan_micro_batches
 from laminar_fsdp import FSDPOptions, FSDPTrainerEngine
 
 # 24 real tokens per rank: a row of 48 split at column 24, through the middle of trajectories
@@ -40,7 +41,9 @@ def _run(rank: int, world: int, port: int, model_dir: str, opts: dict) -> dict:
         logprobs = await eng.compute_logprobs(batch)
         metrics = await eng.train_step(batch)
         grads = {n: p.grad.full_tensor().clone() for n, p in eng.lm.named_parameters()}
-        plan = eng._plan(batch.trajectories, list(range(len(batch.trajectories))))
+        plan = plan_micro_batches(
+            batch.trajectories, list(range(len(batch.trajectories))), eng.batch_layout()
+        )
         await eng.close()
         return {
             "logprobs": logprobs,

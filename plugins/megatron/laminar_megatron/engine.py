@@ -4,13 +4,14 @@ The model is megatron-core's ``GPTModel`` (Transformer Engine layers on GPU when
 installed, megatron's local layers otherwise) built from a Hugging Face ``config.json`` and
 loaded from its safetensors, wrapped in megatron's ``DistributedDataParallel`` and driven by
 its ``DistributedOptimizer``, ``OptimizerParamScheduler`` and pipeline schedules
-(``get_forward_backward_func``). Megatron computes logits; core defines the objective:
-log-probs come from the vocabulary-parallel logits (:mod:`laminar_megatron.logprobs`, the
-vocabulary is never gathered) and the loss is ``laminar_core.algorithms.policy_loss_terms``, the
-same as laminar-fsdp's, on the same micro-batch split.
+(``get_forward_backward_func``). Core's ``ModelTrainerEngine`` drives the step (which
+trajectories train, advantages, mini- and micro-batches, the loss, the metrics), the same as
+laminar-fsdp's; this engine runs the model: log-probs come from the vocabulary-parallel
+logits (:mod:`laminar_megatron.logprobs`, the vocabulary is never gathered), through
+megatron's pipeline schedule.
 
 Every rank gets the whole ``TrainBatch``: trajectories go to data-parallel ranks by token
-balance, then into micro-batches of ``micro_batch_tokens``; the TP and PP ranks of one
+balance, then into padded micro-batches of ``micro_batch_tokens``; the TP and PP ranks of one
 replica run the same micro-batches. Weights are exported in Hugging Face naming
 (:mod:`laminar_megatron.hf`); checkpoints are ``megatron.core.dist_checkpointing``
 (model, optimizer, scheduler, version), loadable under another TP/PP layout.
@@ -20,38 +21,28 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import itertools
 import json
 import warnings
 from collections.abc import AsyncIterator, Callable
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from laminar_core import (
+    BatchLayout,
     BuildContext,
-    TrainBatch,
+    MicroBatch,
+    ModelTrainerEngine,
     TrainerContext,
-    TrainerEngine,
-    Trajectory,
-    add_logprob_agreement,
     free_port,
     model_dir,
     to_device,
 )
-from laminar_core.algorithms import compute_advantages, metric_floats, policy_loss_terms
+from laminar_core.training import LossFn, responses
 from laminar_megatron import cpu_compat
-from laminar_megatron.batching import (
-    MicroBatch,
-    assign_ranks,
-    collate,
-    empty_micro_batch,
-    pack_micro_batches,
-    trainable,
-)
 from laminar_megatron.hf import (
     HFCheckpoint,
     Mapping,
@@ -70,6 +61,7 @@ from laminar_megatron.options import MegatronOptions
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _STATE_FILE = "laminar_megatron.json"
+T = TypeVar("T")
 
 
 # megatron-core announces its fallbacks from Apex / Transformer Engine to torch at import and
@@ -83,7 +75,7 @@ for _message in (
     warnings.filterwarnings("ignore", message=_message, module=r"megatron\.")
 
 
-class MegatronTrainerEngine(TrainerEngine):
+class MegatronTrainerEngine(ModelTrainerEngine):
     Options = MegatronOptions
 
     @classmethod
@@ -91,17 +83,14 @@ class MegatronTrainerEngine(TrainerEngine):
         return cls(ctx.config, ctx.options or MegatronOptions())
 
     def __init__(self, config: Any, options: MegatronOptions | None = None) -> None:
-        self.cfg = config
+        super().__init__(config)
         self.opt = options or MegatronOptions()
-        self.version = 0  # optimiser steps taken (the weight version held, unless
-        # a restarted run republished them under a newer one: ``_held``)
-        self._held = 0
         self.rank, self.world = 0, 1
         self.model: Any = None  # megatron DDP around the GPTModel (one model chunk)
-        self._recomputed: dict[str, torch.Tensor] = {}
+        self._lr = 0.0  # the learning rate of the last update
 
     # -- threads -----------------------------------------------------------------------------
-    async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
+    async def run_blocking(self, fn: Callable[..., T], *args: Any) -> T:
         """Run blocking megatron work off the event loop (under the CPU shim when on CPU)."""
         return await asyncio.to_thread(self._scoped, fn, *args)
 
@@ -112,7 +101,7 @@ class MegatronTrainerEngine(TrainerEngine):
 
     # -- setup -------------------------------------------------------------------------------
     async def setup(self, ctx: TrainerContext) -> None:
-        self.rank, self.world, self.algo = ctx.rank, ctx.world_size, ctx.algorithm
+        self.rank, self.world = ctx.rank, ctx.world_size
         self.tp, self.pp, self.dp = self.opt.layout(self.world)
         self.sequence_parallel = self.opt.sequence_parallel and self.tp > 1
         path = model_dir(self.cfg.model.path, f"trainer rank {self.rank}")
@@ -120,7 +109,7 @@ class MegatronTrainerEngine(TrainerEngine):
         check_layout(self.arch, self.tp, self.pp)
         if not torch.cuda.is_available():
             cpu_compat.apply()
-        await self._call(self._setup, ctx, path)
+        await self.run_blocking(self._setup, ctx, path)
 
     def _setup(self, ctx: TrainerContext, path: Path) -> None:
         cpu_compat.fix_torch_optimizer_resume()
@@ -395,6 +384,7 @@ class MegatronTrainerEngine(TrainerEngine):
             wd_incr_style="constant",
         )
         self.sched.step(1)  # update k uses the schedule at step k + 1 (no update at lr 0)
+        self._lr = self.optim.param_groups[0]["lr"]
 
     # -- forward -----------------------------------------------------------------------------
     def _inputs(self, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -416,7 +406,7 @@ class MegatronTrainerEngine(TrainerEngine):
     def _token_logprobs(self, output: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
         """``[B, L-1]`` log-probs of each next token from this rank's vocabulary slice."""
         logits = output[:, : mb.input_ids.shape[1] - 1].float() / self.temperature
-        labels = to_device(mb.labels, self.device)
+        labels = to_device(mb.labels[:, :-1], self.device)
         group = self.tp_group if self.tp > 1 else None
         return vocab_parallel_logprobs(logits, labels, self.arch.vocab_size, group)
 
@@ -444,184 +434,62 @@ class MegatronTrainerEngine(TrainerEngine):
             forward_only=forward_only,
         )
 
-    def _plan(self, trajs: list[Trajectory], chunk: list[int]) -> list[MicroBatch]:
-        """This data-parallel rank's micro-batches over ``chunk`` (indices into ``trajs``);
-        at least one (an empty one if the rank has no trajectories)."""
-        lengths = [len(t.prompt_ids) + len(t.response_ids) for t in trajs]
-        per_rank = assign_ranks([lengths[i] for i in chunk], self.dp)
-        mine = [chunk[j] for j in per_rank[self.dp_rank]]
-        groups = pack_micro_batches(lengths, mine, self.opt.micro_batch_tokens)
-        return [collate(trajs, idx, self.pad_id) for idx in groups] or [
-            empty_micro_batch(self.pad_id)
-        ]
-
     @property
     def _reports(self) -> bool:
         """Whether this rank reports a replica's figures (last stage, TP rank 0)."""
         return self.last_stage and self.tp_rank == 0
 
-    # -- log-probs ---------------------------------------------------------------------------
-    async def compute_logprobs(self, batch: TrainBatch) -> list[list[float]]:
-        return await self._call(self._compute_logprobs, batch)
+    # -- what core's step asks of the model -----------------------------------------------------
+    def batch_layout(self) -> BatchLayout:
+        """Padded micro-batches of ``micro_batch_tokens`` (rows x longest) per data-parallel
+        replica, whose TP and PP ranks run the same ones; megatron syncs gradients once per
+        optimiser step, so replicas may run different numbers (at least one)."""
+        return BatchLayout(
+            device=self.device,
+            pad_id=self.pad_id,
+            token_budget=self.opt.micro_batch_tokens,
+            packed=False,
+            dp_size=self.dp,
+            dp_rank=self.dp_rank,
+            lockstep=False,
+            reports=self._reports,
+        )
 
-    @torch.no_grad()
-    def _compute_logprobs(self, batch: TrainBatch) -> list[list[float]]:
-        trajs = trainable(batch.trajectories)
-        self._recomputed.clear()
-        got: list[tuple[MicroBatch, torch.Tensor]] = []
+    def forward(self, micro_batches: list[MicroBatch]) -> list[torch.Tensor | None]:
+        got: dict[int, torch.Tensor] = {}
 
         def keep(mb: MicroBatch, output: torch.Tensor):
             lp = self._token_logprobs(output, mb)
-            got.append((mb, lp))
+            got[id(mb)] = responses(lp, mb.spans)
             return lp.sum() * 0.0, torch.ones((), dtype=torch.int), {}
 
-        if trajs:
-            self._schedule(self._plan(trajs, list(range(len(trajs)))), keep, forward_only=True)
-        # One flat vector of every trajectory's response log-probs: the reporting rank of
-        # the replica that computed a trajectory fills its slot, a sum over ranks gathers.
-        sizes = [len(t.response_ids) for t in trajs]
-        starts = [0, *itertools.accumulate(sizes)][:-1]
-        flat = torch.zeros(sum(sizes), dtype=torch.float32, device=self.device)
-        if self._reports:
-            for mb, lp in got:
-                for row, i in enumerate(mb.index):
-                    p, n = len(trajs[i].prompt_ids), sizes[i]
-                    flat[starts[i] : starts[i] + n] = lp[row, p - 1 : p - 1 + n]
-        if self.world > 1 and flat.numel():
-            dist.all_reduce(flat)
-        flat = flat.cpu()
-        for i, t in enumerate(trajs):
-            self._recomputed[t.traj_id] = flat[starts[i] : starts[i] + sizes[i]].clone()
-        return [
-            self._recomputed[t.traj_id].tolist() if t.traj_id in self._recomputed else []
-            for t in batch.trajectories
-        ]
+        self._schedule(micro_batches, keep, forward_only=True)
+        return [got.get(id(mb)) for mb in micro_batches]  # the last stage's only
 
-    def _recomputed_like(self, trajs: list[Trajectory], mb: MicroBatch) -> torch.Tensor | None:
-        if self.algo.off_policy == "none":
-            return None
-        out = torch.zeros_like(mb.behaviour)
-        for row, i in enumerate(mb.index):
-            t = trajs[i]
-            got = self._recomputed.get(t.traj_id)
-            if got is None:
-                raise RuntimeError(
-                    f"off_policy={self.algo.off_policy!r} needs compute_logprobs before "
-                    f"train_step (trajectory {t.traj_id} has no recomputed log-probs)"
-                )
-            p = len(t.prompt_ids)
-            out[row, p - 1 : p - 1 + len(got)] = got
-        return to_device(out, self.device)
-
-    # -- training ----------------------------------------------------------------------------
-    async def train_step(self, batch: TrainBatch) -> dict[str, float]:
-        return await self._call(self._train_step, batch)
-
-    def _train_step(self, batch: TrainBatch) -> dict[str, float]:
-        trajs = trainable(batch.trajectories)
-        sums: dict[str, float] = {}
-        diff = [0.0, 0.0, 0.0]  # max |Δlogp|, sum |Δlogp|, tokens
-        # the version these weights were published as: the run's (``batch.version``) can run
-        # ahead of the optimiser steps taken after a trainer restart; a bare batch: ours
-        self._held = batch.version if batch.version >= 0 else self.version
-        lr = self.optim.param_groups[0]["lr"]
-        n_chunks = max(1, min(self.cfg.trainer.mini_batches, len(trajs))) if trajs else 1
-        if trajs:
-            advantages = self._advantages(trajs)
-            for c, chunk in enumerate(_split(len(trajs), n_chunks)):
-                lr = self.optim.param_groups[0]["lr"]
-                self._update(trajs, chunk, advantages, sums, diff if c == 0 else None)
-        # The reporting ranks hold the figures (one per DP replica): combine them everywhere.
-        parts: list[Any] = [(sums, diff)]
-        if self.world > 1:
-            parts = [None] * self.world
-            dist.all_gather_object(parts, (sums, diff))
-        total: dict[str, float] = {}
-        dmax = dsum = dtok = 0.0
-        for s, d in parts:
-            for k, v in s.items():
-                total[k] = total.get(k, 0.0) + v
-            dmax, dsum, dtok = max(dmax, d[0]), dsum + d[1], dtok + d[2]
-        out = {k: v / n_chunks for k, v in sorted(total.items())}
-        out["lr"] = lr
-        out["trained_trajectories"] = float(len(trajs))
-        if dtok:
-            out["logprob_abs_diff_max"] = dmax
-            out["logprob_abs_diff_mean"] = dsum / dtok
-            out["logprob_diff_tokens"] = dtok
-        self.version += 1
-        return out
-
-    def _advantages(self, trajs: list[Trajectory]) -> torch.Tensor:
-        groups: dict[str, int] = {}
-        gids = torch.tensor([groups.setdefault(t.group_id, len(groups)) for t in trajs])
-        rewards = torch.tensor([float(t.reward) for t in trajs])
-        kw = {"eps": self.algo.adv_eps} if self.algo.advantage in ("grpo", "reinforce_pp") else {}
-        return compute_advantages(self.algo.advantage, rewards, gids, **kw)
-
-    def _update(
-        self,
-        trajs: list[Trajectory],
-        chunk: list[int],
-        advantages: torch.Tensor,
-        sums: dict[str, float],
-        diff: list[float] | None,
-    ) -> None:
-        token_level = self.algo.loss_agg == "token_mean"
-        # only generated tokens count (``Trajectory.loss_mask``); a sequence with none does
-        # not count as a sequence either
-        counts = {i: sum(trajs[i].response_mask()) for i in chunk}
-        total = max(
-            1, sum(counts.values()) if token_level else sum(1 for c in counts.values() if c)
-        )
+    def forward_backward(self, micro_batches: list[MicroBatch], loss_fn: LossFn) -> None:
         one = torch.ones((), dtype=torch.int)
-        # the micro-batches' metric sums and log-prob agreement stay on the device until
-        # the optimiser step: a host read per micro-batch would make the host wait for the GPU
-        terms: dict[str, torch.Tensor] = {}
-        agree = torch.zeros(3, dtype=torch.float64, device=self.device)  # max, sum, tokens
 
-        def loss_fn(mb: MicroBatch, output: torch.Tensor):
+        def step_loss(mb: MicroBatch, output: torch.Tensor):
             lp = self._token_logprobs(output, mb)
             if not mb.index:
                 return lp.sum() * 0.0, one, {}
-            mask = to_device(mb.mask, self.device)
-            behaviour = to_device(mb.behaviour, self.device)
-            recomputed = self._recomputed_like(trajs, mb)
-            loss, metrics = policy_loss_terms(
-                self.algo,
-                lp,
-                behaviour,
-                to_device(advantages[mb.index], self.device),
-                mask,
-                old_logprobs=recomputed,
-                proximal_logprobs=recomputed,
-                max_len=self.cfg.rollout.max_tokens,
-            )
-            # The mini-batch's objective is the sum of these over micro-batches and DP ranks
-            # (megatron sums: calculate_per_token_loss, no token-count division).
-            seqs = sum(1 for i in mb.index if counts[i])
-            frac = (mb.num_tokens if token_level else seqs) / total
-            if self._reports:
-                for k, v in metrics.items():
-                    terms[k] = terms.get(k, 0.0) + v.double() * frac
-                if diff is not None:
-                    # against the version the run published these weights as (``self._held``)
-                    rows = [trajs[i].generated_only_by(self._held) for i in mb.index]
-                    add_logprob_agreement(agree, lp.detach(), behaviour, mask, rows)
-            return loss * frac, one, {}
+            # the objective is the sum of these over micro-batches and DP ranks (megatron
+            # sums: calculate_per_token_loss, no token-count division)
+            return loss_fn(mb, responses(lp, mb.spans), None), one, {}
 
         self.model.zero_grad_buffer()
         self.optim.zero_grad()
-        self._schedule(self._plan(trajs, chunk), loss_fn, forward_only=False)
+        self._schedule(micro_batches, step_loss, forward_only=False)
+
+    def optimizer_step(self) -> float | None:
+        self._lr = self.optim.param_groups[0]["lr"]
         _, norm, _ = self.optim.step()
         self.sched.step(1)
-        for k, v in metric_floats(terms).items():  # one host read for the mini-batch
-            sums[k] = sums.get(k, 0.0) + v
-        if diff is not None and self._reports:
-            top, total, tokens = agree.tolist()
-            diff[0], diff[1], diff[2] = max(diff[0], top), diff[1] + total, diff[2] + tokens
-        if self._reports and norm is not None:
-            sums["grad_norm"] = sums.get("grad_norm", 0.0) + float(norm) / self.dp
+        return None if norm is None else float(norm)
+
+    def learning_rate(self) -> float:
+        """The learning rate the step's last update used."""
+        return self._lr
 
     # -- weights -----------------------------------------------------------------------------
     async def export_weights(self) -> AsyncIterator[tuple[str, torch.Tensor]]:
@@ -633,7 +501,7 @@ class MegatronTrainerEngine(TrainerEngine):
         Vocabulary padding is trimmed; a tied head is not exported.
         """
         for m in self._exports:
-            for name, tensor in await self._call(self._export_one, m):
+            for name, tensor in await self.run_blocking(self._export_one, m):
                 yield name, tensor
 
     def _stage_of(self, m: Mapping) -> int:
@@ -678,7 +546,7 @@ class MegatronTrainerEngine(TrainerEngine):
         }
 
     async def save_checkpoint(self, directory: str) -> None:
-        await self._call(self._save, directory)
+        await self.run_blocking(self._save, directory)
 
     def _save(self, directory: str) -> None:
         from megatron.core import dist_checkpointing
@@ -694,7 +562,7 @@ class MegatronTrainerEngine(TrainerEngine):
             dist.barrier()
 
     async def load_checkpoint(self, directory: str) -> None:
-        await self._call(self._load, directory)
+        await self.run_blocking(self._load, directory)
 
     def _load(self, directory: str) -> None:
         from megatron.core import dist_checkpointing
@@ -711,7 +579,7 @@ class MegatronTrainerEngine(TrainerEngine):
         self.version = int(state["version"])
 
     async def close(self) -> None:
-        await self._call(self._close)
+        await self.run_blocking(self._close)
 
     def _close(self) -> None:
         from megatron.core import parallel_state as ps
@@ -728,14 +596,3 @@ def _have_apex() -> bool:
     except ImportError:
         return False
     return True
-
-
-def _split(n: int, parts: int) -> list[list[int]]:
-    """``range(n)`` in ``parts`` contiguous chunks of near-equal size."""
-    size, extra = divmod(n, parts)
-    out, start = [], 0
-    for p in range(parts):
-        end = start + size + (1 if p < extra else 0)
-        out.append(list(range(start, end)))
-        start = end
-    return out

@@ -25,6 +25,7 @@ import torch.multiprocessing as mp
 from laminar_core import free_port
 from laminar_core.models import build_tiny_model
 from laminar_core.testing import check_trainer_engine, contract_batch
+from laminar_core.training import plan_micro_batches, response_mask, responses
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 TOL = 1e-4  # float32 log-probs / losses
@@ -185,7 +186,8 @@ async def _saved_bytes(model: str, recompute: str) -> tuple[int, float, list[flo
 
         with cpu_compat.scope():
             params = {p.data_ptr() for p in eng.model.parameters()}
-            (mb,) = eng._plan(trajs, list(range(len(trajs))))[:1]
+            mb = plan_micro_batches(trajs, list(range(len(trajs))), eng.batch_layout())[0]
+            mask = response_mask(mb.spans)
             saved = 0
 
             def pack(t):
@@ -197,10 +199,10 @@ async def _saved_bytes(model: str, recompute: str) -> tuple[int, float, list[flo
             eng.model.zero_grad_buffer()
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 out = eng.model(*eng._inputs(mb))
-            lp = eng._token_logprobs(out, mb)
-            (lp * mb.mask).sum().backward()
+            lp = responses(eng._token_logprobs(out, mb), mb.spans)
+            (lp * mask).sum().backward()
             norm = sum(p.main_grad.double().pow(2).sum() for p in eng.model.parameters())
-            return saved, float(norm.sqrt()), (lp * mb.mask).sum(-1).tolist()
+            return saved, float(norm.sqrt()), (lp * mask).sum(-1).tolist()
 
     try:
         return await asyncio.to_thread(run)

@@ -1,39 +1,105 @@
-"""Turning a ``TrainBatch`` into micro-batches: split over ranks, then packed or padded.
+"""Turning a ``TrainBatch`` into micro-batches: which trajectories train, mini-batches, the
+split over data-parallel groups, then packed or padded rows of at most a token budget.
 
 Every rank sees the whole batch and computes the same split, so no rank has to tell another
-what it holds; FSDP needs every rank in every forward/backward, so ranks with fewer
-micro-batches run empty (zero-weight) ones to keep the collectives in step.
+what it holds. Engines whose collectives run per micro-batch (FSDP) need every rank in every
+forward/backward: with ``BatchLayout.lockstep`` the groups with fewer micro-batches run empty
+(zero-weight) ones; otherwise (megatron syncs gradients once per optimiser step) a group with
+no trajectories runs one empty micro-batch.
 
 Two layouts, the same numbers:
 
-- **packed** (default): the micro-batch is ONE row, its trajectories concatenated; position
-  ids restart at 0 for each trajectory and attention does not cross them (transformers reads
-  the restarts from ``position_ids``: a block-diagonal mask for SDPA, ``cu_seqlens`` for
-  FlashAttention-2; the sequence-parallel path builds them from ``cu_seqlens`` itself). A
-  micro-batch holds up to ``budget`` real tokens: no padding is computed.
-- **padded**: one right-padded row per trajectory, ``budget`` bounding rows x longest.
+- **packed**: the micro-batch is ONE row, its trajectories concatenated; position ids restart
+  at 0 for each trajectory (``cu_seqlens`` mark the segments) so attention that reads them
+  does not cross trajectories. A micro-batch holds up to ``token_budget`` real tokens: no
+  padding is computed.
+- **padded**: one right-padded row per trajectory, ``token_budget`` bounding rows x longest.
 
 In both, column ``j`` of a row is scored against ``labels[j]``, the next token of the same
-trajectory; ``spans`` say where each trajectory's response log-probs sit.
+trajectory; ``spans`` say where each trajectory's response log-probs sit, and
+:func:`responses` turns per-position values ``[R, L]`` into per-trajectory response values
+``[k, T]`` (the shape every loss input has).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from laminar_core import Trajectory, to_device
+from laminar_core.interfaces.trainer import to_device
+from laminar_core.types import FinishReason, Trajectory
+
+__all__ = [
+    "BatchLayout",
+    "MicroBatch",
+    "assign_ranks",
+    "collate",
+    "collate_packed",
+    "empty_micro_batch",
+    "pack_bins",
+    "pack_micro_batches",
+    "padded",
+    "plan_micro_batches",
+    "response_mask",
+    "responses",
+    "split_mini_batches",
+    "trainable",
+]
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """How an engine wants its micro-batches (``ModelTrainerEngine.batch_layout``).
+
+    ``device``: where the loss inputs and metric sums go. ``pad_id``: the token padding rows.
+    ``token_budget``: per micro-batch, real tokens (packed) or rows x longest (padded).
+    ``packed``: one concatenated row per micro-batch (else one padded row per trajectory);
+    ``row_multiple``: a packed row's length is padded to a multiple of it (a sequence-parallel
+    degree). ``dp_size`` / ``dp_rank``: the data-parallel groups the trajectories are split
+    over and this rank's (ranks of one group get the same micro-batches). ``lockstep``: every
+    group runs as many micro-batches (per-micro-batch collectives). ``reports``: this rank's
+    figures count -- exactly one rank of each data-parallel group reports, so a sum over
+    ranks counts each figure once.
+    """
+
+    device: torch.device
+    pad_id: int
+    token_budget: int
+    packed: bool = False
+    row_multiple: int = 1
+    dp_size: int = 1
+    dp_rank: int = 0
+    lockstep: bool = True
+    reports: bool = True
+
+    def __post_init__(self) -> None:
+        if self.token_budget < 1:
+            raise ValueError(f"BatchLayout.token_budget must be >= 1, got {self.token_budget}")
+        if self.row_multiple < 1:
+            raise ValueError(f"BatchLayout.row_multiple must be >= 1, got {self.row_multiple}")
+        if not 0 <= self.dp_rank < self.dp_size:
+            raise ValueError(
+                f"BatchLayout.dp_rank {self.dp_rank} is not one of dp_size={self.dp_size} groups"
+            )
 
 
 @dataclass(eq=False)
 class MicroBatch:
-    """Rows of token ids and where each trajectory's response log-probs are.
+    """Rows of token ids, where each trajectory's response log-probs are, and (for training)
+    what the loss needs for each of them.
 
     ``spans[k] = (row, col, n)``: trajectory ``index[k]``'s ``n`` response log-probs are
     ``logprobs[row, col : col + n]`` (``col`` is the last prompt token's column: it predicts
     the first response token). ``attention_mask`` is ``None`` for a packed row. ``cu_seqlens``
     (packed only) are the row's segment boundaries, trailing padding included.
+
+    Loss inputs, host tensors aligned with :func:`responses` (``[k, T]``, ``T`` the longest
+    response; ``None`` on forward-only micro-batches): ``loss_mask`` (1 where a token counts:
+    ``Trajectory.loss_mask``), ``advantages`` (``[k]``), ``behaviour_logprobs`` (the rollout
+    engine's), ``old_logprobs`` (the trainer's recomputation before the step, when the
+    off-policy correction uses it).
     """
 
     input_ids: torch.Tensor  # [R, L]
@@ -43,10 +109,14 @@ class MicroBatch:
     index: list[int]
     spans: list[tuple[int, int, int]]
     cu_seqlens: list[int] | None = None
+    loss_mask: torch.Tensor | None = None
+    advantages: torch.Tensor | None = None
+    behaviour_logprobs: torch.Tensor | None = None
+    old_logprobs: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
-        """Response tokens (the ones the loss counts)."""
+        """Response tokens (the ones the loss can count)."""
         return sum(n for _, _, n in self.spans)
 
     @property
@@ -60,19 +130,38 @@ class MicroBatch:
     def packed(self) -> bool:
         return self.attention_mask is None
 
+    @property
+    def width(self) -> int:
+        """``T``: the longest response held (1 for an empty micro-batch)."""
+        return max((n for _, _, n in self.spans), default=1)
+
 
 def trainable(trajs: list[Trajectory]) -> list[Trajectory]:
-    """Trajectories a step can learn from: not failed, with a response, its log-probs and
-    (when it has one) a loss mask of the response's length."""
+    """Trajectories a step can learn from: not failed, with a reward, a response, a log-prob
+    per response token and (when it has one) a loss mask of the response's length. The rest
+    are left out of the step (``trained_trajectories`` counts the ones kept)."""
     return [
         t
         for t in trajs
-        if t.finish_reason.value != "failed"
+        if t.finish_reason != FinishReason.FAILED
         and t.response_ids
         and len(t.logprobs) == len(t.response_ids)
         and (not t.loss_mask or len(t.loss_mask) == len(t.response_ids))
         and t.reward is not None
     ]
+
+
+def split_mini_batches(n: int, mini_batches: int) -> list[list[int]]:
+    """``range(n)`` in ``min(mini_batches, n)`` (at least one) contiguous chunks of
+    near-equal size: one optimiser step each."""
+    parts = max(1, min(mini_batches, n))
+    size, extra = divmod(n, parts)
+    out, start = [], 0
+    for p in range(parts):
+        end = start + size + (1 if p < extra else 0)
+        out.append(list(range(start, end)))
+        start = end
+    return out
 
 
 def assign_ranks(lengths: list[int], world: int) -> list[list[int]]:
@@ -185,6 +274,32 @@ def empty_micro_batch(pad_id: int, packed: bool = True, multiple: int = 1) -> Mi
     return MicroBatch(ids, pos, ids.clone(), attn, [], [], [0, n] if packed else None)
 
 
+def plan_micro_batches(
+    trajs: list[Trajectory], chunk: list[int], layout: BatchLayout
+) -> list[MicroBatch]:
+    """This rank's micro-batches over ``chunk`` (indices into ``trajs``): the chunk split over
+    the data-parallel groups by token balance, this group's share packed into micro-batches
+    of ``layout.token_budget``, then empty ones so that every group runs as many
+    (``lockstep``), or one empty one for a group with nothing (otherwise)."""
+    lengths = [len(t.prompt_ids) + len(t.response_ids) for t in trajs]
+    per_group = assign_ranks([lengths[i] for i in chunk], layout.dp_size)
+    group = pack_bins if layout.packed else pack_micro_batches
+    plans = [group(lengths, [chunk[j] for j in mine], layout.token_budget) for mine in per_group]
+    if layout.packed:
+        mine = [
+            collate_packed(trajs, idx, layout.pad_id, layout.row_multiple)
+            for idx in plans[layout.dp_rank]
+        ]
+    else:
+        mine = [collate(trajs, idx, layout.pad_id) for idx in plans[layout.dp_rank]]
+    count = max(len(p) for p in plans) if layout.lockstep else 1
+    empty = [
+        empty_micro_batch(layout.pad_id, layout.packed, layout.row_multiple)
+        for _ in range(count - len(mine))
+    ]
+    return mine + empty
+
+
 def responses(values: torch.Tensor, spans: list[tuple[int, int, int]]) -> torch.Tensor:
     """Per-position ``values [R, L]`` -> per-trajectory response values ``[k, T]`` (T = the
     longest response; zeros past each response's end). One gather; differentiable."""
@@ -209,7 +324,7 @@ def response_mask(spans: list[tuple[int, int, int]]) -> torch.Tensor:
     return mask
 
 
-def padded(rows: list[list[float] | torch.Tensor], width: int) -> torch.Tensor:
+def padded(rows: Sequence[Sequence[float]] | Sequence[torch.Tensor], width: int) -> torch.Tensor:
     """``[k, width]`` float32 from ragged rows (zeros past each row's end)."""
     out = torch.zeros(len(rows), width)
     for k, r in enumerate(rows):
