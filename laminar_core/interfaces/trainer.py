@@ -57,8 +57,9 @@ class TrainerEngine(abc.ABC):
     1. ``await setup(ctx)`` once.
     2. Per step: ``await compute_logprobs(batch)`` when the algorithm needs the current
        policy's (or proximal) log-probs, then ``await train_step(batch)`` which returns a
-       metrics dict. The objective comes from ``laminar_core.algorithms``: engines compute
-       logits and log-probs, core defines the loss.
+       metrics dict. An engine on a real model subclasses ``laminar_core.ModelTrainerEngine``,
+       which implements both from model-specific hooks (``forward``, ``forward_backward``,
+       ``optimizer_step``): core does the batching, the loss and the metrics once.
     3. After a step: ``async for name, tensor in export_weights()`` -- full tensors in the
        *rollout's* naming and layout, produced piece by piece so peak memory stays bounded.
        Collective: every rank iterates it in lock-step (gathers need them all); the runtime

@@ -324,7 +324,7 @@ def _make(spec: _Spec, rank: int, world: int) -> tuple[TrainerEngine, Any, Any]:
 
 async def _export(engine: TrainerEngine) -> dict[str, torch.Tensor]:
     """Every exported tensor (a copy), from a sync or an async iterator."""
-    it = engine.export_weights()
+    it: Any = engine.export_weights()  # the interface's async iterator, or a plain one
     out: dict[str, torch.Tensor] = {}
 
     def keep(name: str, tensor: torch.Tensor) -> None:
@@ -389,7 +389,7 @@ class _Reference:
 
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch) -> list[list[float]]:
-        out = []
+        out: list[list[float]] = []
         for t in batch.trajectories:
             if t.finish_reason is FinishReason.FAILED or not t.response_ids:
                 out.append([])

@@ -324,7 +324,7 @@ def response_mask(spans: list[tuple[int, int, int]]) -> torch.Tensor:
     return mask
 
 
-def padded(rows: Sequence[Sequence[float]] | Sequence[torch.Tensor], width: int) -> torch.Tensor:
+def padded(rows: Sequence[Sequence[float] | torch.Tensor], width: int) -> torch.Tensor:
     """``[k, width]`` float32 from ragged rows (zeros past each row's end)."""
     out = torch.zeros(len(rows), width)
     for k, r in enumerate(rows):
