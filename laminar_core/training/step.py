@@ -71,9 +71,10 @@ def add_logprob_agreement(
 
 
 class TrainStep:
-    """One ``train_step``: ``mini_batches()`` optimiser updates over the batch's trainable
-    trajectories; for each, :meth:`micro_batches` (this rank's, loss inputs filled) and
-    :meth:`loss_fn`; after each update :meth:`add_grad_norm`; at the end :meth:`finish`.
+    """One ``train_step``: an optimiser update per mini-batch (``chunks``: the batch's
+    trainable trajectories split ``mini_batches`` ways); for each, :meth:`micro_batches`
+    (this rank's, loss inputs filled) and :meth:`loss_fn`, after the update
+    :meth:`add_grad_norm`; at the end :meth:`finish`.
 
     ``held_version``: the weight version the trainer published the current weights as (the
     log-prob gap is measured on trajectories that version alone generated, before the first
