@@ -23,6 +23,8 @@ python -m ruff check laminar_core tests benchmarks plugins
 python -m ruff format --check laminar_core tests benchmarks plugins
 # the layers and the plugins' public-API rule ([tool.importlinter] in pyproject.toml)
 lint-imports --no-cache
+# the type checker, clean on core ([tool.mypy] in pyproject.toml)
+python -m mypy laminar_core
 # every package builds alone and installs alone (core + one plugin, against the lock)
 bash scripts/check_packages.sh
 python -m pytest -q "$@"

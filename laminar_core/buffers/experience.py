@@ -24,11 +24,20 @@ class DuplicateTrajectoryError(RuntimeError):
 
 
 class _Sampler:
-    def add(self, group: Group) -> None: ...
-    def ready(self, step: int, n: int) -> bool: ...
-    def take(self, step: int, n: int) -> list[Group]: ...
-    def __len__(self) -> int: ...
-    def groups(self) -> list[Group]: ...
+    def add(self, group: Group) -> None:
+        raise NotImplementedError
+
+    def ready(self, step: int, n: int) -> bool:
+        raise NotImplementedError
+
+    def take(self, step: int, n: int) -> list[Group]:
+        raise NotImplementedError
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def groups(self) -> list[Group]:
+        raise NotImplementedError
 
 
 class FifoSampler(_Sampler):

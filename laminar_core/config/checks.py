@@ -62,6 +62,7 @@ def _positive(cfg: LaminarConfig) -> None:
         ("trainer.max_restarts", cfg.trainer.max_restarts, 0),
         ("run.max_failed_steps", cfg.run.max_failed_steps, 0),
     ]
+    value: float
     for key, value, low in rules:
         if value < low:
             raise ConfigError(f"{key} must be >= {low} (got {value})")

@@ -103,7 +103,7 @@ def apply_overrides(raw: dict[str, Any], overrides: typing.Iterable[str]) -> dic
     return raw
 
 
-def check_keys(raw: Any, schema: type, path: str, extra: dict[str, set[str]]) -> None:
+def check_keys(raw: Any, schema: Any, path: str, extra: dict[str, set[str]]) -> None:
     """Reject keys the dataclass ``schema`` does not have (recursively), with a close match.
 
     ``extra`` maps a section path to additional allowed keys (engine option sections).
@@ -144,7 +144,7 @@ def check_keys(raw: Any, schema: type, path: str, extra: dict[str, set[str]]) ->
                     check_keys(item, item_type, f"{full}[{i}]", extra)
 
 
-def structured(schema: type, raw: dict[str, Any], path: str) -> Any:
+def structured(schema: Any, raw: dict[str, Any], path: str) -> Any:
     try:
         merged = OmegaConf.merge(OmegaConf.structured(schema), raw)
         return OmegaConf.to_object(merged)

@@ -9,7 +9,7 @@ its options, and the plugin's own ``options``, validated against the plugin clas
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, cast
 
 from laminar_core.config.loader import ConfigError, check_keys, structured
 from laminar_core.config.schema import EnvConfig
@@ -45,7 +45,7 @@ def make_parser(
 def environment_class(name: str, pm: PluginManager | None = None) -> type[Environment]:
     """The registered environment ``name``; ``ConfigError`` naming the known ones otherwise."""
     try:
-        return (pm or default_manager()).get("env", name)
+        return cast("type[Environment]", (pm or default_manager()).get("env", name))
     except UnknownPluginError as e:
         raise ConfigError(f"env.name: {e}") from None
 

@@ -96,13 +96,13 @@ def _chunks(r: CallResult) -> Iterator[dict[str, Any]]:
     else:
         obj = "text_completion"
 
-        def chunk(text: str, finish: str | None = None) -> dict[str, Any]:  # type: ignore[misc]
+        def text_chunk(text: str, finish: str | None = None) -> dict[str, Any]:
             choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
             return {**base, "object": obj, "choices": [choice]}
 
         pieces = [r.text[i : i + _PIECE] for i in range(0, len(r.text), _PIECE)]
         for i, piece in enumerate([*pieces, ""]):
-            c = chunk(piece, None if i < len(pieces) else r.finish_reason)
+            c = text_chunk(piece, None if i < len(pieces) else r.finish_reason)
             yield {**c, "laminar": r.laminar} if i == 0 else c
     if r.include_usage:
         yield {**base, "object": obj, "choices": [], "usage": _usage(r)}

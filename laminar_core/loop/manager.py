@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+from typing import cast
 
 from laminar_core.buffers import ExperienceBuffer, InFlight, PartialPool, PromptPool
 from laminar_core.interfaces import RepackPolicy, RolloutEngine
@@ -341,7 +342,7 @@ class RolloutManager:
             slot = dispatch.choose(sup.open, samples, tag, need, changed)
             if slot is None:
                 return
-            self._admit_group(slot, tag)
+            self._admit_group(cast(ReplicaSlot, slot), tag)  # choose() returns one of sup.open
             dispatch.admitted(slot, tag)
 
     def _admit_group(self, slot: ReplicaSlot, tag: int) -> None:

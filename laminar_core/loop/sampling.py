@@ -63,7 +63,7 @@ class BatchSource:
         requested (``StopRequested``)."""
         sample = asyncio.ensure_future(aw)
         stop = asyncio.ensure_future(self.stop.wait())
-        waits = {sample, stop}
+        waits: set[asyncio.Future[Any]] = {sample, stop}
         fatal = self.manager.fatal
         if fatal is not None:
             waits.add(fatal)

@@ -220,7 +220,7 @@ def build_tiny_model(
     # Seed around construction so the init is a pure function of the arguments.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(config).to(torch.float32)
+        model = Qwen2ForCausalLM(config).float()
     model.generation_config.update(
         bos_token_id=bos_id, eos_token_id=eos_id, pad_token_id=pad_id, do_sample=True
     )

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from laminar_core.relay.protocol import TRAINER_RANK, HostHandle, RelayUnavailable
@@ -24,7 +24,7 @@ Member = tuple[int, HostHandle]  # (chain rank, host)
 class Chain:
     """The relays of one tier, in rank order, and the live chain through them."""
 
-    def __init__(self, hosts: list[HostHandle]) -> None:
+    def __init__(self, hosts: Sequence[HostHandle]) -> None:
         if not hosts:
             raise ValueError("the relay tier needs at least one relay")
         self.hosts: list[Member] = list(enumerate(hosts, start=1))

@@ -34,7 +34,7 @@ def checksum(data: bytes | bytearray | memoryview) -> int:
 def _tensor_bytes(t: torch.Tensor) -> memoryview:
     t = t.detach().contiguous().cpu().reshape(-1)  # 1-D first: a 0-dim tensor cannot be viewed
     # View as bytes through uint8 so every dtype (bf16 included) round-trips exactly.
-    return memoryview(t.view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
+    return t.view(torch.uint8).numpy().data if t.numel() else memoryview(b"")
 
 
 def _device_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -55,7 +55,7 @@ def _copy(dst: memoryview, t: torch.Tensor, src: Any, pos: int, n: int) -> None:
 
 def _host_buffer(nbytes: int, pin: bool) -> memoryview:
     if pin:  # page-locked: the GPU -> host copy runs at full PCIe speed
-        return memoryview(torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy())
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy().data
     return memoryview(bytearray(nbytes))
 
 
@@ -268,7 +268,10 @@ def unpack(
             while pos < end:
                 b, off = divmod(pos, size)
                 take = min(end - pos, size - off)
-                raw += memoryview(buckets[b].data)[off : off + take]
+                data = buckets[b].data
+                if data is None:  # a phantom bucket inside a real version: a broken tier
+                    raise ValueError(f"bucket {b} of version {manifest.version} holds no bytes")
+                raw += memoryview(data)[off : off + take]
                 pos += take
             dtype = getattr(torch, spec.dtype)
             empty = torch.empty(0, dtype=torch.uint8)

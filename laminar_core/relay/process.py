@@ -82,6 +82,13 @@ def _serve(conn: Any, spec: dict[str, Any]) -> None:
             if method == "close":
                 stop.set()
 
+        running: set[asyncio.Future] = set()  # held: the loop keeps only weak references
+
+        def start(rid: int, method: str, args: tuple) -> None:
+            task = asyncio.ensure_future(handle(rid, method, args))
+            running.add(task)
+            task.add_done_callback(running.discard)
+
         def reader() -> None:
             while True:
                 try:
@@ -89,9 +96,7 @@ def _serve(conn: Any, spec: dict[str, Any]) -> None:
                 except (EOFError, OSError):
                     loop.call_soon_threadsafe(stop.set)
                     return
-                loop.call_soon_threadsafe(
-                    lambda r=rid, m=method, a=args: asyncio.ensure_future(handle(r, m, a))
-                )
+                loop.call_soon_threadsafe(start, rid, method, args)
 
         threading.Thread(target=reader, daemon=True).start()
         await stop.wait()

@@ -48,7 +48,8 @@ class HostHandle(Protocol):
     """What the tier drives (see module docstring). Every method but ``is_alive`` is a
     coroutine; a dead host's calls raise ``RelayDied`` (or another ``TransportError``)."""
 
-    relay_id: int
+    @property
+    def relay_id(self) -> int: ...
 
     def is_alive(self) -> bool: ...
     async def open(self) -> Any: ...

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -101,7 +101,7 @@ class RelayTier:
 
     def __init__(
         self,
-        hosts: list[HostHandle],
+        hosts: Sequence[HostHandle],
         trainer_transport: WeightTransport | Push,
         *,
         bucket_bytes: int = 64 << 20,
@@ -347,6 +347,7 @@ class RelayTier:
                 "versions must increase"
             )
         replay: Callable[[], Export] | None = None
+        export: Export | None
         if callable(named_tensors):
             replay, export = named_tensors, named_tensors()
         else:

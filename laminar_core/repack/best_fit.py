@@ -130,6 +130,7 @@ class BestFitPolicy(RepackPolicy):
                 key = (kv, running)
                 if (
                     best is None
+                    or best_key is None
                     or key > best_key
                     or (key == best_key and dest.replica_id < best.replica_id)
                 ):
@@ -155,11 +156,11 @@ class BestFitPolicy(RepackPolicy):
             for t in original[source]:
                 if t in emitted or origin.get(t) != source:
                     continue
-                dest = final.get(t)
-                if dest is None or dest == source:
+                target = final.get(t)
+                if target is None or target == source:
                     continue
                 emitted.add(t)
-                by_dest.setdefault(dest, []).append(t)
-            for dest, ids in by_dest.items():
-                moves.append(Move(source=source, destination=dest, traj_ids=tuple(ids)))
+                by_dest.setdefault(target, []).append(t)
+            for target, ids in by_dest.items():
+                moves.append(Move(source=source, destination=target, traj_ids=tuple(ids)))
         return moves

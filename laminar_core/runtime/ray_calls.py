@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from typing import Any
 
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
 
@@ -121,7 +122,8 @@ def detach_resource_tracker() -> int | None:
     import subprocess
     from multiprocessing import resource_tracker, spawn, util
 
-    tracker = resource_tracker._resource_tracker
+    # CPython's private tracker state (checked for below): typed loosely on purpose
+    tracker: Any = resource_tracker._resource_tracker
     if not all(hasattr(tracker, a) for a in ("_lock", "_fd", "_pid")):
         return None
     with tracker._lock:
@@ -129,7 +131,8 @@ def detach_resource_tracker() -> int | None:
             return None
         r, w = os.pipe()
         exe = spawn.get_executable()
-        command = [exe, *util._args_from_interpreter_flags(), "-c"]
+        flags: list[str] = getattr(util, "_args_from_interpreter_flags")()  # noqa: B009
+        command = [exe, *flags, "-c"]
         command.append(f"from multiprocessing.resource_tracker import main;main({r})")
         # as ensure_running: SIGINT/SIGTERM blocked until the tracker has its own handlers
         blocked = {signal.SIGINT, signal.SIGTERM}

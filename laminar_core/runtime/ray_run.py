@@ -32,7 +32,7 @@ import os
 import shutil
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
@@ -321,7 +321,17 @@ class RayRuntime:
             if self.own_cluster:
                 ray.shutdown()
             raise
-        started = Started(trainer, engines, tier, relays, place, dataset, report, tokenizer)
+        # the proxies stand in for engines (the same coroutine API, over Ray)
+        started = Started(
+            trainer,
+            cast(list[RolloutEngine], engines),
+            tier,
+            relays,
+            place,
+            dataset,
+            report,
+            tokenizer,
+        )
         run = assemble(spec, started, self)
         if cfg.runtime.elastic:
             self._known_nodes = {n["NodeID"] for n in ray.nodes() if n["Alive"]}

@@ -56,7 +56,8 @@ def missing_methods(cls: type, interface: type) -> list[str]:
     (duck typing) must at least have each of them."""
     if issubclass(cls, interface):
         return sorted(getattr(cls, "__abstractmethods__", ()))
-    return sorted(m for m in interface.__abstractmethods__ if not callable(getattr(cls, m, None)))
+    abstract = getattr(interface, "__abstractmethods__", ())
+    return sorted(m for m in abstract if not callable(getattr(cls, m, None)))
 
 
 def check_interface(kind: str, name: str, factory: Any, key: str) -> None:

@@ -118,8 +118,10 @@ def train(resolved: ResolvedConfig, *, own_process: bool = False) -> Path:
         began = loop.time() - cli  # when the command started
         # until the run's own handlers are in place, SIGTERM cancels the start-up cleanly
         # (what was started is released) instead of killing the process under it
+        me = asyncio.current_task()
         with contextlib.suppress(NotImplementedError, RuntimeError):
-            loop.add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
+            if me is not None:
+                loop.add_signal_handler(signal.SIGTERM, me.cancel)
         try:
             with startup_gc() if own_process else contextlib.nullcontext():
                 run = await start_run(resolved, run_dir)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from laminar_core.buffers import ExperienceBuffer, PromptPool
 from laminar_core.config.loader import ResolvedConfig
@@ -217,7 +217,9 @@ def attach_evaluation(run: Run, tokenizer: Tokenizer | None = None) -> Evaluatio
 
         from laminar_core.models import model_dir
 
-        tokenizer = AutoTokenizer.from_pretrained(str(model_dir(cfg.model.path, "eval")))
+        tokenizer = cast(
+            Tokenizer, AutoTokenizer.from_pretrained(str(model_dir(cfg.model.path, "eval")))
+        )
     prompts = build_eval_prompts(run.resolved, tokenizer, train)
     d = cfg.data
     greedy = d.eval_temperature == 0

@@ -28,7 +28,7 @@ class _VirtualSelector(selectors.DefaultSelector):
         super().__init__()
         self.now = 0.0
 
-    def select(self, timeout: float | None = None):  # type: ignore[override]
+    def select(self, timeout: float | None = None):
         ready = super().select(0)
         if ready or timeout == 0:
             return ready

@@ -16,6 +16,7 @@ import bisect
 import json
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -84,7 +85,7 @@ computed (re-prefill of the prefix, or only the observation where the KV was kep
 share of those turns that found their KV kept (``rollout.sim.tool_kv: keep``)."""
 
 
-def _percentile(values: list[float], q: float) -> float:
+def _percentile(values: Sequence[float], q: float) -> float:
     if not values:
         return 0.0
     s = sorted(values)
@@ -125,16 +126,17 @@ class WarmupSnapshot:
 
 def _union_length(intervals: list[tuple[float, float]], lo: float, hi: float) -> float:
     """Length of the union of ``intervals`` clipped to ``[lo, hi]``."""
-    total, cur_a, cur_b = 0.0, None, None
+    total = 0.0
+    cur: tuple[float, float] | None = None  # the run of overlapping intervals so far
     for a, b in sorted((max(a, lo), min(b, hi)) for a, b in intervals if b > lo and a < hi):
-        if cur_b is None or a > cur_b:
-            if cur_b is not None:
-                total += cur_b - cur_a
-            cur_a, cur_b = a, b
+        if cur is None or a > cur[1]:
+            if cur is not None:
+                total += cur[1] - cur[0]
+            cur = (a, b)
         else:
-            cur_b = max(cur_b, b)
-    if cur_b is not None:
-        total += cur_b - cur_a
+            cur = (cur[0], max(cur[1], b))
+    if cur is not None:
+        total += cur[1] - cur[0]
     return total
 
 
@@ -435,7 +437,7 @@ def run_study(
             row = simulate_schedule(
                 cfg, spec, pm, point=label, keep_run=kept if traced else None, record_events=traced
             )
-            if traced:
+            if traced and trace is not None:
                 trace.written = write_trace(kept[0], row, trace.path)
             rows.append(row)
             if progress is not None:
@@ -482,7 +484,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     widths = [max(len(h), *(len(c[i]) for c in cells)) for i, (_, h, _) in enumerate(cols)]
     lines = ["  ".join(h.ljust(w) for (_, h, _), w in zip(cols, widths))]
     lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in cells]
-    warm = {r.get("warmup_steps") for r in rows}
+    warm = {int(r.get("warmup_steps") or 0) for r in rows}
     lines.append(
         f"(after {', '.join(str(w) for w in sorted(warm))} warm-up step(s); busy min: the "
         "fewest replicas that ran work in any step, of 'replicas')"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from laminar_core.buffers.prompts import Prompt, SyntheticPrompts
 from laminar_core.config.loader import ConfigError, ResolvedConfig
@@ -91,7 +91,8 @@ def build_prompts(
         ds = SyntheticPrompts(
             d.size, d.min_prompt_tokens, d.max_prompt_tokens, resolved.cfg.run.seed
         )
-        return ds, DataReport("synthetic", rows=len(ds))
+        # SyntheticPrompts has len() and [] (all the stream reads), not the whole Sequence API
+        return cast("Sequence[Prompt]", ds), DataReport("synthetic", rows=len(ds))
     if d.source == "jsonl":
         rows, report = read_jsonl(d.path, d.prompt_key)
     elif d.source == "parquet":

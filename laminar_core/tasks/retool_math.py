@@ -110,7 +110,8 @@ def _chat_template(path: str):
     def render(user: str, system: str) -> str:
         messages = [{"role": "system", "content": system}] if system else []
         messages.append({"role": "user", "content": user})
-        return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return str(text)
 
     return render
 

@@ -99,6 +99,7 @@ def wrap_reward(
         fut: asyncio.Future = loop.create_future()
 
         def work() -> None:
+            value: float | Exception
             try:
                 ok, value = True, call(text, traj.metadata)
             except Exception as e:

@@ -467,7 +467,7 @@ def plot_staleness(data: RunData, path: Path) -> bool:
         return False
     fig = _figure("staleness")
     ax_h, ax_s = fig.subplots(1, 2, width_ratios=[1, 1.4])
-    if have_events:
+    if have_events and ev is not None:
         times, versions, initial = _trainer_version(ev)
         idx = np.searchsorted(times, ev.traj["t"], side="right")
         known = versions[np.maximum(idx - 1, 0)] if len(versions) else initial
@@ -638,7 +638,7 @@ def plot_weight_sync(data: RunData, table: StepTable | None, path: Path) -> bool
             alpha=0.85,
             label="trainer stall: push to the master relay" + (f" (mean of {k})" if k > 1 else ""),
         )
-    if have_pulls:
+    if have_pulls and ev is not None:
         dur = ev.pulls["t"] - ev.pulls["start"]
         versions = ev.pulls["version"]
         uniq, inv = np.unique(versions, return_inverse=True)
@@ -711,7 +711,7 @@ def _coverage(starts: np.ndarray, ends: np.ndarray, edges: np.ndarray) -> np.nda
 
 def _step_polys(edges: np.ndarray, values: np.ndarray, base: float, scale: float) -> list:
     """Polygons (one per run of non-zero bins) of a step profile ``base + scale * values``."""
-    polys = []
+    polys: list[np.ndarray] = []
     nz = values > 1e-9
     if not nz.any():
         return polys
@@ -725,7 +725,7 @@ def _step_polys(edges: np.ndarray, values: np.ndarray, base: float, scale: float
     return polys
 
 
-def _rects(x0: np.ndarray, x1: np.ndarray, y0: np.ndarray, y1: np.ndarray) -> np.ndarray:
+def _rects(x0: np.ndarray, x1: np.ndarray, y0: np.ndarray, y1: np.ndarray) -> Any:
     return np.stack([np.column_stack(p) for p in ((x0, y0), (x0, y1), (x1, y1), (x1, y0))], axis=1)
 
 
@@ -981,9 +981,9 @@ def key_figures(data: RunData, table: StepTable | None) -> list[tuple[str, str]]
     if rows:
         last = rows[-1]
         for key in ("replica_restarts", "replicas_restarted"):
-            v = _num(last, key)
-            if v is not None:
-                out.append(("replica restarts", f"{int(v)}"))
+            restarts_v = _num(last, key)
+            if restarts_v is not None:
+                out.append(("replica restarts", f"{int(restarts_v)}"))
     return out
 
 

@@ -17,7 +17,7 @@ Hook it to a :class:`~laminar_core.telemetry.metrics.MetricsWriter` with
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 from laminar_core.telemetry.tensorboard import scalars
 
@@ -69,7 +69,7 @@ class WandbSink:
                 entity=cfg.entity or None,
                 name=cfg.name or run_dir.name,
                 tags=list(cfg.tags) or None,
-                mode=cfg.mode,
+                mode=cast("Literal['online', 'offline', 'disabled']", cfg.mode),  # checked at load
                 dir=str(run_dir),  # W&B's files go to RUN_DIR/wandb/
                 config=config,
             )

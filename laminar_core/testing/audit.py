@@ -124,10 +124,10 @@ def audit_run(run_dir: str | Path, partial_rollout: bool = False) -> AuditReport
         position = int(state["prompts"]["position"])
         owed = set(state["prompts"].get("reissue", []))
         checkpointed = {p for step, ps in trained.items() if step < int(state["step"]) for p in ps}
-        missing = set(range(position)) - checkpointed - owed
-        if int(state["step"]) == len(trained) and missing:
+        unowed = set(range(position)) - checkpointed - owed
+        if int(state["step"]) == len(trained) and unowed:
             rep.problems.append(
                 f"prompts handed out, neither trained nor owed by the last checkpoint: "
-                f"{sorted(missing)[:10]}"
+                f"{sorted(unowed)[:10]}"
             )
     return rep

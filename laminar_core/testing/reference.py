@@ -106,7 +106,7 @@ class HFReference:
 
     def decode(self, ids: Iterable[int]) -> str:
         """The text a reward sees (special tokens skipped)."""
-        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+        return str(self.tokenizer.decode(list(ids), skip_special_tokens=True))
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))

@@ -61,7 +61,7 @@ def assert_loaded(root: str | Path, relay_id: int, version: int, scale: int = 1)
             f"{(want.dtype, tuple(want.shape))}",
         )
         require(
-            torch.equal(t, want),
+            t is not None and torch.equal(t, want),
             f"relay {relay_id} version {version}: {name} differs from what was sent: the "
             "transport changed bytes on the way",
         )
@@ -74,16 +74,16 @@ class _Tampering(WeightTransport):
         self.inner = inner
         self.tamper: tuple[int, int, str] | None = None  # (version, index, "flip"|"truncate")
 
-    async def open(self, role, rank, peers):  # type: ignore[no-untyped-def]
+    async def open(self, role, rank, peers):
         await self.inner.open(role, rank, peers)
 
-    def endpoint(self):  # type: ignore[no-untyped-def]
+    def endpoint(self):
         return self.inner.endpoint()
 
-    async def connect(self, peers):  # type: ignore[no-untyped-def]
+    async def connect(self, peers):
         await self.inner.connect(peers)
 
-    def link_model(self):  # type: ignore[no-untyped-def]
+    def link_model(self):
         return self.inner.link_model()
 
     async def send(self, bucket: Bucket, peer: int) -> None:
@@ -154,7 +154,9 @@ async def check_relay_chain(
             f"{what} was accepted: a transport delivers a bucket's bytes and header as sent, "
             "so the relay's checks see what was sent",
         )
-        require(match in res.error, f"{what} was rejected, but not for {match!r}: {res.error}")
+        require(
+            match in (res.error or ""), f"{what} was rejected, but not for {match!r}: {res.error}"
+        )
 
     async def settle(want: list[int]) -> None:
         await tier.wait_broadcast()
@@ -230,10 +232,16 @@ async def check_relay_faults(
     masters: list[int] = []
     tier.on_master_change.append(lambda rank, ep: masters.append(rank))
     ready: list[tuple[int, int]] = []  # (rank, version) shared on the relay's node
+
+    def shared_on(rank: int) -> Callable[[Any], None]:
+        def seen(e: Any) -> None:
+            if e.kind == "shared":
+                ready.append((rank, e.version))
+
+        return seen
+
     for h in hosts:
-        h.events.subscribe(
-            lambda e, rank=h.rank: ready.append((rank, e.version)) if e.kind == "shared" else None
-        )
+        h.events.subscribe(shared_on(h.rank))
     try:
         await asyncio.wait_for(tier.open(), timeout_s)
         await asyncio.wait_for(tier.publish(1, make_weights(1)), timeout_s)

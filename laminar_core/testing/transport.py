@@ -29,12 +29,10 @@ async def check_transport(
     returned (senders recycle their buffers), and the middle endpoint receives with an
     ``alloc`` (relays hand out recycled buffers) and forwards straight from what it got.
     """
-    eps = []
+    eps: list[WeightTransport] = []
     for rank in range(3):
-        t = make_transport(rank)
-        if asyncio.iscoroutine(t):
-            t = await t
-        eps.append(t)
+        made = make_transport(rank)
+        eps.append(await made if isinstance(made, Awaitable) else made)
     peers = {}
     for rank, t in enumerate(eps):
         await t.open("trainer" if rank == 0 else "relay", rank, {})
@@ -134,7 +132,7 @@ async def check_transport(
         timeout_s,
     )
     require(
-        bytes(got_fwd.data) == data and bytes(got_back.data) == b"abc",
+        bytes(got_fwd.data or b"") == data and bytes(got_back.data or b"") == b"abc",
         "after connect() without rank 1, ranks 0 and 2 exchanged other bytes than they sent: "
         "connect(peers) links the endpoint to exactly the peers given, again on every call",
     )
