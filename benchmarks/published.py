@@ -61,6 +61,11 @@ PUBLISHED = {
         "verl fully-async trainer over colocated sync, Qwen2.5-7B on 128 GPUs: 2.35-2.67x",
         "verl docs, 'Recipe: Fully Async Policy Trainer'",
     ),
+    "roll_flash_agentic_over_sync": Published(
+        2.72,
+        "ROLL Flash (asynchronous) over synchronous training on agentic tasks, same GPUs, up to",
+        "ROLL Flash, arXiv 2510.11345, abstract",
+    ),
     # -- scaling, components --
     "strong_scaling_efficiency": Published(
         53.7, "Laminar strong-scaling efficiency (math)", LAMINAR_DESIGN, "{:.1f}%"

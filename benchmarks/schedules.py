@@ -8,12 +8,19 @@ schedule, and laminar's ratios next to the published ones (``benchmarks/publishe
 
     python benchmarks/schedules.py [--steps N] [--setups paper_7b_256gpu,...] [--json FILE]
     python benchmarks/schedules.py --workload tool_calling [--steps N] [--scale F]
+    python benchmarks/schedules.py --workload agent [--steps N] [--scale F]
 
 ``--workload tool_calling`` runs ``examples/sim/paper_7b_tool_calling.yaml`` (ReTool-style
 multi-turn trajectories with long-tailed tool latency, ``sim.tools``): the YAML's schedules
 plus laminar without repack, laminar's ratio over each, and the tool figures, next to the
 paper's 1.21x-5.42x at 7B (§8 / Fig. 12). ``--scale F`` multiplies the GPUs, the trainer's
 GPUs and the prompts per step by ``F`` (a quicker, smaller run of the same shape).
+
+``--workload agent`` runs ``examples/sim/paper_7b_agent.yaml`` (agents that own their loop,
+behind the gateway: episodes of tens of short calls on a growing context, long-tailed tool
+and think times between calls, each call placed at its call boundary; ``sim.agent``): the
+same schedules plus laminar without repack, episodes/s and tokens/s side by side, and
+laminar's ratio over sync next to ROLL Flash's 2.72x for agentic RL.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from laminar_core import load_config
 from laminar_core.sim.study import simulate_schedule
 
 TOOL_SETUP = "paper_7b_tool_calling"
+AGENT_SETUP = "paper_7b_agent"
 # Laminar §8 / Fig. 12 (reading note): tool calling (ReTool) at 7B, Laminar over the baselines
 TOOL_PUBLISHED = (1.21, 5.42)
 
@@ -160,30 +168,31 @@ def ratio_table(rows: list[dict[str, Any]]) -> str:
     )
 
 
-def run_tool_calling(steps: int, scale: float = 1.0, progress=say) -> list[dict[str, Any]]:
-    """The tool-calling setup: each schedule of its YAML, then laminar without repack."""
+def run_multi_turn(
+    steps: int, scale: float = 1.0, setup: str = TOOL_SETUP, progress=say
+) -> list[dict[str, Any]]:
+    """A multi-turn setup (tool calling, agent): each schedule of its YAML, then laminar
+    without repack."""
     over = [f"run.steps={steps}"]
     if scale != 1.0:
-        base = load_config(EXAMPLES / f"{TOOL_SETUP}.yaml").cfg
+        base = load_config(EXAMPLES / f"{setup}.yaml").cfg
         over += [
             f"cluster.gpus={max(2, round(base.cluster.gpus * scale))}",
             f"cluster.trainer_gpus={max(1, round(base.cluster.trainer_gpus * scale))}",
             f"data.prompts_per_step={max(1, round(base.data.prompts_per_step * scale))}",
         ]
-    resolved = load_config(EXAMPLES / f"{TOOL_SETUP}.yaml", over)
+    resolved = load_config(EXAMPLES / f"{setup}.yaml", over)
     runs = [(spec, resolved) for spec in resolved.cfg.study.schedules]
-    runs.append(
-        ("laminar", load_config(EXAMPLES / f"{TOOL_SETUP}.yaml", [*over, "repack.policy=none"]))
-    )
+    runs.append(("laminar", load_config(EXAMPLES / f"{setup}.yaml", [*over, "repack.policy=none"])))
     rows = []
     for spec, cfg in runs:
-        row = simulate_schedule(cfg, spec, point=TOOL_SETUP)
+        row = simulate_schedule(cfg, spec, point=setup)
         if spec == "laminar" and cfg.cfg.repack.policy == "none":
             row["schedule"] = "laminar (no repack)"
         rows.append(row)
         progress(
-            f"  {TOOL_SETUP} {row['schedule']}: {row['throughput_tokens_per_s']:,.0f} tokens/s "
-            f"({row['wall_seconds']:.1f} s wall)"
+            f"  {setup} {row['schedule']}: {row['throughput_tokens_per_s']:,.0f} tokens/s, "
+            f"{row['trajectories_per_s']:,.2f} trajectories/s ({row['wall_seconds']:.1f} s wall)"
         )
     return rows
 
@@ -240,18 +249,75 @@ def tool_table(rows: list[dict[str, Any]]) -> str:
     return table(out, header) + "\n" + note
 
 
+def agent_table(rows: list[dict[str, Any]]) -> str:
+    """Laminar vs each schedule on the agent workload: episodes/s and tokens/s side by side,
+    and what a session's calls met (KV kept between calls, weight versions per episode)."""
+    lam = next(r for r in rows if r["schedule"] == "laminar")
+    out = []
+    for r in rows:
+        eps, tok = r["trajectories_per_s"], r["throughput_tokens_per_s"]
+        mine = r["schedule"] == "laminar"
+        out.append(
+            [
+                r["schedule"],
+                r["repack"],
+                f"{eps:,.2f}",
+                "-" if mine else f"{ratio(lam['trajectories_per_s'], eps):.2f}x",
+                f"{tok:,.0f}",
+                "-" if mine else f"{ratio(lam['throughput_tokens_per_s'], tok):.2f}x",
+                f"{r['tool_calls_per_trajectory'] + 1:.1f}",
+                f"{r['call_gap_p50_s']:.1f} / {r['call_gap_p99_s']:.1f}",
+                f"{r['tool_kv_hit_share']:.0%}",
+                f"{r['versions_per_trajectory_mean']:.2f}",
+                f"{r['trajectory_latency_mean_s']:,.0f} / {r['trajectory_latency_p99_s']:,.0f}",
+                f"{r['staleness_mean']:.2f} / {r['staleness_max']}",
+                f"{r['trainer_idle_share']:.0%}",
+                f"{r['rollout_idle_share']:.0%}",
+                f"{r['repacks']} / {r['repacked_trajectories']}",
+            ]
+        )
+    header = [
+        "schedule",
+        "repack",
+        "episodes/s",
+        "laminar x",
+        "tok/s",
+        "laminar x",
+        "calls / episode",
+        "gap s p50 / p99",
+        "KV kept hit",
+        "versions / episode",
+        "episode latency s mean / p99",
+        "staleness mean / max",
+        "trainer idle",
+        "rollout idle",
+        "moves / moved",
+    ]
+    sync = next(r for r in rows if r["schedule"] == "sync")
+    pub = PUBLISHED["roll_flash_agentic_over_sync"]
+    note = (
+        f"laminar over sync (episodes/s): "
+        f"{ratio(lam['trajectories_per_s'], sync['trajectories_per_s']):.2f}x simulated; "
+        f"published: {pub.text()} ({pub.what}; {pub.source})"
+    )
+    return table(out, header) + "\n" + note
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=None, help="default 10 (tool_calling: 4)")
     ap.add_argument("--setups", default=",".join(SETUPS))
-    ap.add_argument("--workload", choices=["math", "tool_calling"], default="math")
-    ap.add_argument("--scale", type=float, default=1.0, help="tool_calling: GPUs and prompts x F")
+    ap.add_argument("--workload", choices=["math", "tool_calling", "agent"], default="math")
+    ap.add_argument(
+        "--scale", type=float, default=1.0, help="tool_calling, agent: GPUs and prompts x F"
+    )
     ap.add_argument("--json", help="write all rows here")
     args = ap.parse_args()
-    if args.workload == "tool_calling":
-        rows = run_tool_calling(args.steps or 4, args.scale)
+    if args.workload in ("tool_calling", "agent"):
+        agent = args.workload == "agent"
+        rows = run_multi_turn(args.steps or 4, args.scale, AGENT_SETUP if agent else TOOL_SETUP)
         say()
-        say(tool_table(rows))
+        say(agent_table(rows) if agent else tool_table(rows))
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(rows, f, indent=2)

@@ -75,5 +75,8 @@ def laminar_tool_parsers() -> dict[str, object]:
 
 @hookimpl
 def laminar_environments() -> dict[str, object]:
-    # the simulated sandbox (studies): long-tailed tool latency on the virtual clock
-    return {"sim_tool": "laminar_core.sim.tools:SimToolEnvironment"}
+    # the simulated sandbox and agent (studies): long-tailed tool latency on the virtual clock
+    return {
+        "sim_tool": "laminar_core.sim.tools:SimToolEnvironment",
+        "sim_agent": "laminar_core.sim.agent:SimAgentEnvironment",
+    }

@@ -59,6 +59,7 @@ from laminar_core.interfaces import (
     RolloutEngine,
     WeightsRef,
 )
+from laminar_core.sim.agent import turn_plan
 from laminar_core.sim.config import SimRolloutConfig
 from laminar_core.sim.lengths import LengthModel
 from laminar_core.sim.tools import ToolPlan
@@ -82,6 +83,7 @@ class Finished(NamedTuple):
     finish: float
     tokens: int  # response tokens
     moved: bool  # resumed somewhere at least once (moved, redirected, partial rollout)
+    versions: int = 1  # weight versions that generated it (multi-turn: a turn may be newer)
 
     @property
     def latency(self) -> float:
@@ -108,12 +110,12 @@ class SimLedger:
         if resumed:
             self.resumed.add(traj_id)
 
-    def finished(self, traj_id: str, now: float, tokens: int) -> None:
+    def finished(self, traj_id: str, now: float, tokens: int, versions: int = 1) -> None:
         t0 = self.first.pop(traj_id, None)
         if t0 is not None:  # a superseded attempt's late result is not counted again
             moved = traj_id in self.resumed
             self.resumed.discard(traj_id)
-            self.done.append(Finished(traj_id, t0, now, tokens, moved))
+            self.done.append(Finished(traj_id, t0, now, tokens, moved, versions))
 
 
 class _Req:
@@ -207,7 +209,7 @@ class SimRolloutEngine(RolloutEngine):
                 "known: histogram, lognormal"
             )
         ledger = ctx.shared.setdefault("sim_ledger", SimLedger())
-        tools = ToolPlan.from_config(cfg)
+        tools = turn_plan(cfg)
         return cls(ctx.name, opts, lengths, index=ctx.index, ledger=ledger, tools=tools)
 
     def __init__(
@@ -662,7 +664,7 @@ class SimRolloutEngine(RolloutEngine):
         if req.final:
             self._plans.pop(r.metadata.get("sample_key", 0), None)
         if self.ledger is not None and req.final:
-            self.ledger.finished(r.traj_id, now, produced - req.obs_before)
+            self.ledger.finished(r.traj_id, now, produced - req.obs_before, len(req.versions))
         if not req.future.done():
             req.future.set_result(traj)
 

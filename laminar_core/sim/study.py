@@ -41,6 +41,7 @@ RESULT_KEYS = (
     "steps",
     "warmup_steps",
     "throughput_tokens_per_s",
+    "trajectories_per_s",
     "generation_tokens_per_s",
     "generation_share",
     "rollout_utilization",
@@ -71,6 +72,9 @@ RESULT_KEYS = (
     "tool_observation_tokens_mean",
     "tool_prefill_tokens",
     "tool_kv_hit_share",
+    "call_gap_p50_s",
+    "call_gap_p99_s",
+    "versions_per_trajectory_mean",
     "sim_seconds",
     "wall_seconds",
 )
@@ -82,7 +86,12 @@ staleness, moves and preemptions; the work spread (``replicas_*``, ``started_*``
 tool-calling workload (``env.name: sim_tool``): tool calls per trajectory, the calls'
 latency p50 / p99, observation tokens per call, the prefill that turns after a tool call
 computed (re-prefill of the prefix, or only the observation where the KV was kept), and the
-share of those turns that found their KV kept (``rollout.sim.tool_kv: keep``)."""
+share of those turns that found their KV kept (``rollout.sim.tool_kv: keep``). ``call_gap_*``
+is the time a trajectory spent off the replicas between two model turns (tool plus the
+agent's think time, ``sim.agent``); ``versions_per_trajectory_mean`` counts the weight
+versions that generated a finished trajectory's turns (above 1: turns after a call ran on
+newer weights). ``trajectories_per_s`` is ``throughput_tokens_per_s``'s count of trained
+trajectories (episodes, for an agent workload) instead of tokens."""
 
 
 def _percentile(values: Sequence[float], q: float) -> float:
@@ -186,6 +195,7 @@ def summarize(
     end = recs[-1].end if recs else 0.0
     period = (end - t_begin) if post else 0.0
     tokens = sum(r.tokens for r in post)
+    trained = sum(r.trajectories for r in post)
     wait = sum(r.train_start - r.start for r in post)
     stale = [s for r in post for s in r.staleness]
     engines = run.engines
@@ -219,6 +229,7 @@ def summarize(
         "steps": len(recs),
         "warmup_steps": n_warm,
         "throughput_tokens_per_s": tokens / period if period > 0 else 0.0,
+        "trajectories_per_s": trained / period if period > 0 else 0.0,
         "generation_tokens_per_s": sum(d.tokens for d in done) / period if period > 0 else 0.0,
         "generation_share": _union_length(periods, t_begin, end) / period if period > 0 else 0.0,
         "rollout_utilization": window("occupancy_seconds") / gpu_time if gpu_time > 0 else 0.0,
@@ -248,6 +259,9 @@ def summarize(
         **tools,
         "tool_prefill_tokens": int(window("tool_prefill_tokens")),
         "tool_kv_hit_share": window("tool_kv_hits") / tool_resumes if tool_resumes else 0.0,
+        "versions_per_trajectory_mean": (
+            sum(d.versions for d in done) / len(done) if done else 0.0
+        ),
         "sim_seconds": end,
         "wall_seconds": wall,
         "per_step": spread,
@@ -266,11 +280,14 @@ def _tool_figures(run: Run, post: list[Any], t_begin: float, end: float) -> dict
     env = getattr(getattr(run.manager, "episodes", None), "env", None)
     calls = [c for c in getattr(env, "calls", []) if t_begin < c[0] <= end]
     lat = [c[1] for c in calls]
+    gaps = [c[3] for c in calls]
     return {
         "tool_calls_per_trajectory": per_traj,
         "tool_latency_p50_s": _percentile(lat, 0.5),
         "tool_latency_p99_s": _percentile(lat, 0.99),
         "tool_observation_tokens_mean": sum(c[2] for c in calls) / len(calls) if calls else 0.0,
+        "call_gap_p50_s": _percentile(gaps, 0.5),
+        "call_gap_p99_s": _percentile(gaps, 0.99),
     }
 
 

@@ -129,11 +129,20 @@ class ToolPlan:
         total = sum(w)
         segs = [max(1, int(model_tokens * x / total)) for x in w]
         segs[-1] = max(1, model_tokens - sum(segs[:-1])) if model_tokens > n else segs[-1]
+        return self._ends(key, segs)
+
+    def think(self, key: int, call: int) -> float:
+        """Time between call ``call``'s result and the next model turn besides the tool (s):
+        none here; the agent workload (``sim.agent``) adds its own."""
+        return 0.0
+
+    def _ends(self, key: int, segs: list[int]) -> list[int]:
+        """Turn ends of model segments ``segs``, observation ``j`` after segment ``j``."""
         ends, at = [], 0
         for j, s in enumerate(segs):
             at += s
             ends.append(at)
-            if j < n:
+            if j < len(segs) - 1:
                 at += self.observation_tokens(key, j)
         return ends
 
@@ -174,13 +183,14 @@ class SimToolEpisode(Episode):
             return StepResult("", done=True, info={"finish": "answer", "tool_calls": 0})
         latency = plan.latency(self.key, i)
         took = min(latency, plan.timeout_s)
-        await asyncio.sleep(took)
+        think = min(plan.think(self.key, i), plan.timeout_s)
+        await asyncio.sleep(took + think)
         self.turns += 1
         obs = plan.observation_tokens(self.key, i)
         info: dict[str, Any] = {"tool_calls": 1, "tool_seconds": took, "observation_tokens": obs}
         if latency > plan.timeout_s:
             info["error"] = "timeout"
-        self.env.record(took, obs)
+        self.env.record(took, obs, took + think)
         return StepResult("", done=False, info=info)
 
     async def close(self) -> None:
@@ -189,15 +199,19 @@ class SimToolEpisode(Episode):
 
 class SimToolEnvironment(Environment):
     """The ``sim_tool`` environment (see module docstring). ``calls`` records every call as
-    ``(end time, latency, observation tokens)`` on the loop's clock (``sim.study`` reads
-    it)."""
+    ``(end time, tool latency, observation tokens, gap)`` on the loop's clock, the gap being
+    the time the trajectory spent off the replicas (tool plus think time; ``sim.study``
+    reads it)."""
 
     Options = SimToolOptions
 
     def __init__(self, ctx: EnvContext) -> None:
         super().__init__(ctx)
-        self.plan = ToolPlan(ctx.options or SimToolOptions(), ctx.max_turns, ctx.timeout_s)
-        self.calls: list[tuple[float, float, int]] = []
+        self.plan = self.make_plan(ctx)
+        self.calls: list[tuple[float, float, int, float]] = []
+
+    def make_plan(self, ctx: EnvContext) -> ToolPlan:
+        return ToolPlan(ctx.options or SimToolOptions(), ctx.max_turns, ctx.timeout_s)
 
     async def start(self) -> None:
         pass
@@ -205,8 +219,8 @@ class SimToolEnvironment(Environment):
     async def reset(self, row: dict[str, Any]) -> Episode:
         return SimToolEpisode(self, int(row.get("sample_key", 0)))
 
-    def record(self, latency: float, obs: int) -> None:
-        self.calls.append((asyncio.get_running_loop().time(), latency, obs))
+    def record(self, latency: float, obs: int, gap: float) -> None:
+        self.calls.append((asyncio.get_running_loop().time(), latency, obs, gap))
 
     async def close(self) -> None:
         pass
