@@ -70,30 +70,20 @@ class SimAgentOptions:
     seed: int = 0  # the plan's seed (the same for the environment and the replicas)
 
     def __post_init__(self) -> None:
-        for name in ("calls_median", "call_tokens_median", "latency_median_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0 (got {getattr(self, name)})")
-        if not self.observation_tokens_median > 0:
-            raise ValueError(
-                f"observation_tokens_median must be > 0 (got {self.observation_tokens_median})"
-            )
-        for name in (
-            "calls_p99_over_p50",
-            "call_tokens_p99_over_p50",
-            "latency_p99_over_p50",
-            "observation_tokens_p99_over_p50",
-        ):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1 (got {getattr(self, name)})")
-        for name in ("calls_min", "call_tokens_max", "observation_tokens_max"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1 (got {getattr(self, name)})")
-        if self.think_min_s < 0:
-            raise ValueError(f"think_min_s must be >= 0 (got {self.think_min_s})")
-        if not self.think_alpha > 1:
-            raise ValueError(
-                f"think_alpha must be > 1 so the mean think time is finite (got {self.think_alpha})"
-            )
+        positive = ("calls_median", "call_tokens_median", "latency_median_s")
+        at_least_one = (
+            *("calls_p99_over_p50", "call_tokens_p99_over_p50", "latency_p99_over_p50"),
+            *("observation_tokens_p99_over_p50", "calls_min", "call_tokens_max"),
+            "observation_tokens_max",
+        )
+        checks = [(n, "> 0", getattr(self, n) > 0) for n in positive]
+        checks.append(("observation_tokens_median", "> 0", self.observation_tokens_median > 0))
+        checks += [(n, ">= 1", getattr(self, n) >= 1) for n in at_least_one]
+        checks.append(("think_min_s", ">= 0", self.think_min_s >= 0))
+        checks.append(("think_alpha", "> 1 (a finite mean think time)", self.think_alpha > 1))
+        for name, rule, ok in checks:
+            if not ok:
+                raise ValueError(f"{name} must be {rule} (got {getattr(self, name)})")
 
 
 @dataclass(frozen=True)
