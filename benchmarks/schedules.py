@@ -8,7 +8,7 @@ schedule, and laminar's ratios next to the published ones (``benchmarks/publishe
 
     python benchmarks/schedules.py [--steps N] [--setups paper_7b_256gpu,...] [--json FILE]
     python benchmarks/schedules.py --workload tool_calling [--steps N] [--scale F]
-    python benchmarks/schedules.py --workload agent [--steps N] [--scale F]
+    python benchmarks/schedules.py --workload agent [--steps N] [--scale F] [--ahead 1,2]
 
 ``--workload tool_calling`` runs ``examples/sim/paper_7b_tool_calling.yaml`` (ReTool-style
 multi-turn trajectories with long-tailed tool latency, ``sim.tools``): the YAML's schedules
@@ -169,10 +169,15 @@ def ratio_table(rows: list[dict[str, Any]]) -> str:
 
 
 def run_multi_turn(
-    steps: int, scale: float = 1.0, setup: str = TOOL_SETUP, progress=say
+    steps: int,
+    scale: float = 1.0,
+    setup: str = TOOL_SETUP,
+    progress=say,
+    ahead: tuple[float, ...] = (),
 ) -> list[dict[str, Any]]:
     """A multi-turn setup (tool calling, agent): each schedule of its YAML, then laminar
-    without repack."""
+    without repack, then laminar at each ``buffer.max_ahead_batches`` of ``ahead`` (how far
+    ahead of the trainer it admits: a bound on sessions in flight and on staleness)."""
     over = [f"run.steps={steps}"]
     if scale != 1.0:
         base = load_config(EXAMPLES / f"{setup}.yaml").cfg
@@ -181,14 +186,17 @@ def run_multi_turn(
             f"cluster.trainer_gpus={max(1, round(base.cluster.trainer_gpus * scale))}",
             f"data.prompts_per_step={max(1, round(base.data.prompts_per_step * scale))}",
         ]
-    resolved = load_config(EXAMPLES / f"{setup}.yaml", over)
+    path = EXAMPLES / f"{setup}.yaml"
+    resolved = load_config(path, over)
     runs = [(spec, resolved) for spec in resolved.cfg.study.schedules]
-    runs.append(("laminar", load_config(EXAMPLES / f"{setup}.yaml", [*over, "repack.policy=none"])))
+    runs.append(("laminar (no repack)", load_config(path, [*over, "repack.policy=none"])))
+    for k in ahead:
+        cfg = load_config(path, [*over, f"buffer.max_ahead_batches={k}"])
+        runs.append((f"laminar (max_ahead {k:g})", cfg))
     rows = []
-    for spec, cfg in runs:
-        row = simulate_schedule(cfg, spec, point=setup)
-        if spec == "laminar" and cfg.cfg.repack.policy == "none":
-            row["schedule"] = "laminar (no repack)"
+    for label, cfg in runs:
+        row = simulate_schedule(cfg, label.split(" (")[0], point=setup)
+        row["schedule"] = label
         rows.append(row)
         progress(
             f"  {setup} {row['schedule']}: {row['throughput_tokens_per_s']:,.0f} tokens/s, "
@@ -311,11 +319,18 @@ def main() -> None:
     ap.add_argument(
         "--scale", type=float, default=1.0, help="tool_calling, agent: GPUs and prompts x F"
     )
+    ap.add_argument(
+        "--ahead",
+        default="",
+        help="tool_calling, agent: laminar also at these buffer.max_ahead_batches (e.g. 1,2)",
+    )
     ap.add_argument("--json", help="write all rows here")
     args = ap.parse_args()
     if args.workload in ("tool_calling", "agent"):
         agent = args.workload == "agent"
-        rows = run_multi_turn(args.steps or 4, args.scale, AGENT_SETUP if agent else TOOL_SETUP)
+        setup = AGENT_SETUP if agent else TOOL_SETUP
+        ahead = tuple(float(x) for x in args.ahead.split(",") if x)
+        rows = run_multi_turn(args.steps or 4, args.scale, setup, ahead=ahead)
         say()
         say(agent_table(rows) if agent else tool_table(rows))
         if args.json:
