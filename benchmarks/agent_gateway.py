@@ -33,29 +33,20 @@ import asyncio
 import math
 import multiprocessing as mp
 import os
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from _common import say, table
+from _common import ROOT, say, table
+
+sys.path.insert(0, str(ROOT / "tests"))
+from gateway_support import ADD_TOOL, CALL  # the tests' calculator tool and its call
 
 SYSTEM = "You are a calculator. Use the add tool, then answer."
 QUESTION = "What is 2 + 3?"
-CALL = '<tool_call>{"name":"add","arguments":{"a":2,"b":3}}</tool_call>'
-ADD_TOOL = {
-    "type": "function",
-    "function": {
-        "name": "add",
-        "description": "Add two integers.",
-        "parameters": {
-            "type": "object",
-            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-            "required": ["a", "b"],
-        },
-    },
-}
 
 
 def pct(values: list[float], q: float) -> float:
@@ -340,15 +331,11 @@ async def main_async(args: argparse.Namespace) -> tuple[list[Arm], dict[int, tup
         GatewayServer,
         GatewaySettings,
     )
-    from laminar_core.models import build_tiny_model
     from laminar_core.text import encode_untrusted
     from laminar_vllm import VLLMOptions, VLLMRolloutEngine
 
     Timed, Instant = _backend_classes()
     model_dir = args.model
-    if not model_dir:
-        model_dir = str(Path(tempfile.mkdtemp(prefix="agent-gw-")) / "tiny")
-        build_tiny_model(model_dir, seed=0)
     tok = AutoTokenizer.from_pretrained(model_dir)
     settings = GatewaySettings(model="policy", temperature=1.0, max_tokens=args.max_tokens)
     arms: list[Arm] = []
@@ -478,7 +465,13 @@ def main() -> None:
     ap.add_argument("--depth", type=int, default=40, help="calls of the in-process CPU arm")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    arms, depth = asyncio.run(main_async(args))
+    with tempfile.TemporaryDirectory(prefix="agent-gw-") as tmp:
+        if not args.model:
+            from laminar_core.models import build_tiny_model
+
+            args.model = str(Path(tmp) / "tiny")
+            build_tiny_model(args.model, seed=0)
+        arms, depth = asyncio.run(main_async(args))
     say()
     say(report(arms, args.calls))
     say()

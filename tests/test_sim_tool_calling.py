@@ -241,12 +241,18 @@ def test_study_table_shows_tool_columns() -> None:
     assert "tools/traj" not in format_table([plain]) and plain["tool_calls_per_trajectory"] == 0
 
 
-def test_tool_calling_is_deterministic_per_seed() -> None:
-    cfg = load_config(None, [*SMALL, "rollout.sim.tool_kv=keep", "repack.policy=best_fit"])
+def check_deterministic(small: list[str], *over: str) -> None:
+    """Laminar on ``small + over`` gives the same row twice (but wall time), and another
+    ``env.options.seed`` another run."""
+    cfg = load_config(None, [*small, *over])
     a = simulate_schedule(cfg, "laminar")
     b = simulate_schedule(cfg, "laminar")
     a.pop("wall_seconds")
     b.pop("wall_seconds")
     assert a == b
-    other = simulate_schedule(load_config(None, [*SMALL, "env.options.seed=5"]), "laminar")
+    other = simulate_schedule(load_config(None, [*small, "env.options.seed=5"]), "laminar")
     assert other["sim_seconds"] != a["sim_seconds"]
+
+
+def test_tool_calling_is_deterministic_per_seed() -> None:
+    check_deterministic(SMALL, "rollout.sim.tool_kv=keep", "repack.policy=best_fit")
