@@ -7,15 +7,26 @@ as device tensors from ``policy_loss_terms``).
 from .advantages import compute_advantages, dr_grpo, grpo, reinforce_pp, rloo
 from .config import (
     ADVANTAGE_ESTIMATORS,
+    GROUP_FILTERS,
+    IS_LEVELS,
+    IS_MASKS,
     KL_ESTIMATORS,
     LOSS_AGGREGATIONS,
+    LOSSES,
     OFF_POLICY_CORRECTIONS,
     AlgorithmConfig,
+    DynamicSampling,
+    dynamic_sampling,
     validate_algorithm,
 )
+from .filters import group_filter, zero_variance
 from .logprobs import chunked_logprobs, full_logprobs
 from .losses import (
     aggregate,
+    cispo_loss,
+    gspo_loss,
+    is_band_mask,
+    is_weights,
     kl_penalty,
     metric_floats,
     policy_loss,
@@ -26,16 +37,27 @@ from .losses import (
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
+    "GROUP_FILTERS",
+    "IS_LEVELS",
+    "IS_MASKS",
     "KL_ESTIMATORS",
+    "LOSSES",
     "LOSS_AGGREGATIONS",
     "OFF_POLICY_CORRECTIONS",
     "AlgorithmConfig",
+    "DynamicSampling",
     "aggregate",
     "chunked_logprobs",
+    "cispo_loss",
     "compute_advantages",
     "dr_grpo",
+    "dynamic_sampling",
     "full_logprobs",
+    "group_filter",
     "grpo",
+    "gspo_loss",
+    "is_band_mask",
+    "is_weights",
     "kl_penalty",
     "metric_floats",
     "policy_loss",
@@ -45,4 +67,5 @@ __all__ = [
     "rloo",
     "truncated_is_weights",
     "validate_algorithm",
+    "zero_variance",
 ]

@@ -17,15 +17,27 @@ Common contract:
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from .config import KL_ESTIMATORS, LOSS_AGGREGATIONS, unknown_choice, validate_algorithm
+from .config import (
+    IS_LEVELS,
+    KL_ESTIMATORS,
+    LOSS_AGGREGATIONS,
+    LOSSES,
+    unknown_choice,
+    validate_algorithm,
+)
 
 __all__ = [
     "aggregate",
+    "cispo_loss",
+    "gspo_loss",
+    "is_band_mask",
+    "is_weights",
     "kl_penalty",
     "metric_floats",
     "policy_loss",
@@ -101,15 +113,82 @@ def truncated_is_weights(
     Returns:
         ``[B, T]`` weights in the dtype of ``target_logprobs``; 0 at unmasked positions.
     """
+    return is_weights(target_logprobs, behaviour_logprobs, mask, "token", cap)
+
+
+def _log_is_ratio(
+    target_logprobs: Tensor, behaviour_logprobs: Tensor, mask: Tensor, level: str
+) -> Tensor:
+    """``log(target / behaviour)`` per token (``token``), summed over the sequence
+    (``sequence``: the log of the product of the token ratios) or averaged over it
+    (``geometric``: the log of their geometric mean), broadcast over the sequence's tokens;
+    detached, 0 off the mask."""
     _check_2d("target_logprobs", target_logprobs)
     _check_like("behaviour_logprobs", behaviour_logprobs, target_logprobs)
     _check_like("mask", mask, target_logprobs)
     m = mask.bool()
-    log_w = torch.where(m, target_logprobs.detach() - behaviour_logprobs.detach(), 0.0)
+    d = torch.where(m, target_logprobs.detach() - behaviour_logprobs.detach(), 0.0)
+    if level == "token":
+        return d
+    if level not in IS_LEVELS:
+        raise unknown_choice("IS level", level, IS_LEVELS)
+    seq = d.sum(-1, keepdim=True)
+    if level == "geometric":
+        seq = seq / m.sum(-1, keepdim=True).clamp_min(1)
+    return torch.where(m, seq.expand_as(d), 0.0)
+
+
+def is_weights(
+    target_logprobs: Tensor,
+    behaviour_logprobs: Tensor,
+    mask: Tensor,
+    level: str = "token",
+    cap: float | None = None,
+) -> Tensor:
+    """Rollout-correction importance weights ``min(rho, cap)``, detached, ``[B, T]``.
+
+    With ``d_t = target_t - behaviour_t`` (``target``: the policy the update is anchored to,
+    the trainer's recomputed log-probs; ``behaviour``: the rollout engine's) over a
+    sequence's masked tokens:
+
+        ``token``:     ``rho_t = exp(d_t)`` (TIS; Yao et al. 2025, "Your efficient RL
+                       framework secretly brings you off-policy RL training");
+        ``sequence``:  ``rho_t = exp(sum_t d_t)`` for every token of the sequence (the
+                       sequence's likelihood ratio: unbiased, high variance);
+        ``geometric``: ``rho_t = exp(mean_t d_t)`` (the geometric mean of the token ratios:
+                       length-independent, as GSPO's ratio; verl's rollout correction
+                       ``geometric``, slime's MIS).
+
+    ``cap=None`` leaves them uncapped; only the top is truncated. 0 at unmasked positions.
+    """
+    log_w = _log_is_ratio(target_logprobs, behaviour_logprobs, mask, level)
     w = log_w.exp()
     if cap is not None:
         w = w.clamp_max(cap)
-    return torch.where(m, w, 0.0)
+    return torch.where(mask.bool(), w, 0.0)
+
+
+def is_band_mask(
+    target_logprobs: Tensor,
+    behaviour_logprobs: Tensor,
+    mask: Tensor,
+    level: str,
+    low: float,
+    high: float,
+) -> Tensor:
+    """Which masked tokens keep their place in the loss: bool ``[B, T]``, True where the
+    ``level`` ratio (``is_weights``'s ``rho``, uncapped) lies in ``[low, high]``.
+
+    ``token`` drops single tokens whose trainer/rollout ratio left the band (IcePop; slime's
+    MIS token mode); ``sequence`` / ``geometric`` drop whole sequences whose product /
+    geometric-mean ratio left it (verl's rollout rejection sampling). Compared in log space,
+    so a long sequence's product cannot overflow. False off the mask.
+    """
+    if level not in IS_LEVELS:
+        raise unknown_choice("IS mask level", level, IS_LEVELS)
+    log_w = _log_is_ratio(target_logprobs, behaviour_logprobs, mask, level)
+    lo = math.log(low) if low > 0 else -math.inf
+    return mask.bool() & (log_w >= lo) & (log_w <= math.log(high))
 
 
 def _broadcast_advantages(advantages: Tensor, like: Tensor) -> Tensor:
@@ -156,9 +235,79 @@ def ppo_clip_loss(
         ``clip_high_fraction``: ratio > 1 + clip_high with A > 0); ``ratio_mean``;
         ``approx_kl`` mean of ``old_logprobs - logprobs`` (k1 estimate of KL(old || new)).
     """
-    loss, terms = _ppo_clip_terms(
-        logprobs, old_logprobs, advantages, mask, clip_low, clip_high, agg, is_weights, max_len
-    )
+    loss, terms = _surrogate_terms(
+        "ppo", logprobs, old_logprobs, advantages, mask, clip_low, clip_high, agg, is_weights,
+        max_len,
+    )  # fmt: skip
+    return loss, metric_floats(terms)
+
+
+def gspo_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip_low: float = 3e-4,
+    clip_high: float = 4e-4,
+    agg: str = "seq_mean_token_mean",
+    is_weights: Tensor | None = None,
+    max_len: int | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """GSPO: PPO's clipped surrogate on a sequence-level ratio (Zheng et al. 2025, "Group
+    Sequence Policy Optimization", arXiv:2507.18071, eq. 5-7 and the GSPO-token form, eq. 13).
+
+    With ``s_i = exp(mean_t (logprobs_t - old_t))`` over sequence ``i``'s masked tokens (the
+    geometric mean of its token ratios)::
+
+        loss_i = -min(s_i * A_i, clip(s_i, 1 - clip_low, 1 + clip_high) * A_i)
+
+    computed per token in the GSPO-token form ``s_it = sg(s_i) * exp(logprobs_t -
+    sg(logprobs_t))`` (value ``s_i``, gradient ``s_i * grad logprobs_t``): with one advantage
+    per sequence and ``agg="seq_mean_token_mean"`` (the paper's) it is GSPO exactly, value and
+    gradient; other aggregations weigh each sequence's term as they weigh its tokens (e.g.
+    ``token_mean``: ``sum_i |y_i| loss_i / sum_i |y_i|``). A clipped sequence gives no
+    gradient at all. The paper clips at ``3e-4`` / ``4e-4`` (the defaults here; set
+    ``algorithm.clip_low`` / ``clip_high`` so: the sequence ratio moves far less than a
+    token's). Arguments, returns and metrics as ``ppo_clip_loss`` (ratios are ``s_i``).
+    """
+    loss, terms = _surrogate_terms(
+        "gspo", logprobs, old_logprobs, advantages, mask, clip_low, clip_high, agg, is_weights,
+        max_len,
+    )  # fmt: skip
+    return loss, metric_floats(terms)
+
+
+def cispo_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.28,
+    agg: str = "token_mean",
+    is_weights: Tensor | None = None,
+    max_len: int | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """CISPO: REINFORCE with a clipped, stop-gradient importance weight (MiniMax, 2025,
+    "MiniMax-M1: Scaling Test-Time Compute Efficiently with Lightning Attention",
+    arXiv:2506.13585, eq. 4-5; NeMo-RL 0.7's CISPO).
+
+    Per token, with ``r_t = exp(logprobs_t - old_t)``::
+
+        loss_t = -sg(clip(r_t, 1 - clip_low, 1 + clip_high)) * A * logprobs_t * w_t
+
+    Unlike PPO, no token's gradient is ever dropped: the weight is clipped, not the update
+    (the paper's point: PPO's clip silences the rare "fork" tokens that matter most for long
+    reasoning). The paper leaves the lower bound off in practice (a large ``clip_low``, e.g.
+    0.99 here) and tunes only the upper. The loss value is that of the paper's objective
+    (``log pi`` times the weight), not a ratio surrogate: compare its gradient, not its value,
+    with PPO's. Metrics as ``ppo_clip_loss``, with ``clip_*_fraction`` counting tokens whose
+    weight was clipped (whatever the advantage's sign).
+    """
+    loss, terms = _surrogate_terms(
+        "cispo", logprobs, old_logprobs, advantages, mask, clip_low, clip_high, agg, is_weights,
+        max_len,
+    )  # fmt: skip
     return loss, metric_floats(terms)
 
 
@@ -171,18 +320,20 @@ def metric_floats(terms: dict[str, Tensor]) -> dict[str, float]:
     return dict(zip(terms.keys(), values, strict=True))
 
 
-def _ppo_clip_terms(
+def _surrogate_terms(
+    kind: str,
     logprobs: Tensor,
     old_logprobs: Tensor,
     advantages: Tensor,
     mask: Tensor,
-    clip_low: float = 0.2,
-    clip_high: float = 0.28,
-    agg: str = "token_mean",
-    is_weights: Tensor | None = None,
-    max_len: int | None = None,
+    clip_low: float,
+    clip_high: float,
+    agg: str,
+    is_weights: Tensor | None,
+    max_len: int | None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """``ppo_clip_loss`` with its metrics as 0-dim tensors on the loss's device."""
+    """The ``kind`` loss (``ppo``, ``gspo``, ``cispo``) with its metrics as 0-dim tensors on
+    the loss's device."""
     _check_2d("logprobs", logprobs)
     _check_like("old_logprobs", old_logprobs, logprobs)
     _check_like("mask", mask, logprobs)
@@ -193,22 +344,36 @@ def _ppo_clip_terms(
 
     # Mask before exp: padded log-probs may be -inf and inf * 0 would poison the gradient.
     log_ratio = torch.where(m, logprobs - old_logprobs.detach(), 0.0)
-    ratio = log_ratio.exp()
-    unclipped = ratio * adv
-    clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * adv
-    per_token = -torch.minimum(unclipped, clipped)
+    lo, hi = 1.0 - clip_low, 1.0 + clip_high
+    if kind == "cispo":
+        ratio = log_ratio.exp()
+        weight = ratio.detach().clamp(lo, hi)
+        per_token = -weight * adv * torch.where(m, logprobs, 0.0)
+        low_hit = m & (ratio < lo)
+        high_hit = m & (ratio > hi)
+    else:
+        if kind == "gspo":
+            seq = log_ratio.sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp_min(1)
+            # value s_i on every token, gradient s_i * d logprobs_t (GSPO-token, eq. 13)
+            log_ratio_used = torch.where(m, seq.detach() + log_ratio - log_ratio.detach(), 0.0)
+        elif kind == "ppo":
+            log_ratio_used = log_ratio
+        else:
+            raise unknown_choice("loss", kind, LOSSES)
+        ratio = log_ratio_used.exp()
+        per_token = -torch.minimum(ratio * adv, ratio.clamp(lo, hi) * adv)
+        low_hit = m & (ratio < lo) & (adv < 0)
+        high_hit = m & (ratio > hi) & (adv > 0)
     if is_weights is not None:
         per_token = per_token * is_weights.detach()
     loss = aggregate(per_token, mask, agg, max_len=max_len)
 
     with torch.no_grad():
         n = m.sum().clamp_min(1)
-        clip_low_hit = m & (ratio < 1.0 - clip_low) & (adv < 0)
-        clip_high_hit = m & (ratio > 1.0 + clip_high) & (adv > 0)
         metrics = {
-            "clip_fraction": (clip_low_hit | clip_high_hit).sum() / n,
-            "clip_low_fraction": clip_low_hit.sum() / n,
-            "clip_high_fraction": clip_high_hit.sum() / n,
+            "clip_fraction": (low_hit | high_hit).sum() / n,
+            "clip_low_fraction": low_hit.sum() / n,
+            "clip_high_fraction": high_hit.sum() / n,
             "ratio_mean": torch.where(m, ratio, 0.0).sum() / n,
             "approx_kl": -log_ratio.sum() / n,  # log_ratio is 0 off the mask
         }
@@ -277,16 +442,24 @@ def policy_loss(
 
     Numerically ``tis`` and ``decoupled`` are the same formula; they differ in which
     recomputed log-probs they expect the trainer to supply. Inputs a correction does not use
-    are ignored.
+    are ignored. With ``tis`` / ``decoupled``, ``cfg.is_level`` forms the weight per token,
+    per sequence or as the sequence's geometric mean (``is_weights``), and ``cfg.is_mask``
+    zeroes the weight of tokens (or whole sequences) whose ratio leaves ``[cfg.mask_low,
+    cfg.mask_high]`` (``is_band_mask``).
+
+    ``cfg.loss`` picks the surrogate: ``ppo`` (``ppo_clip_loss``), ``gspo`` (``gspo_loss``)
+    or ``cispo`` (``cispo_loss``), each with ``cfg.clip_low`` / ``cfg.clip_high``, the IS
+    weights above and ``cfg.loss_agg``.
 
     If ``cfg.kl_coef > 0`` the loss adds ``kl_coef * aggregate(kl_penalty(logprobs,
     ref_logprobs, mask, cfg.kl_estimator), mask, cfg.loss_agg)``. ``max_len`` is forwarded to
     ``aggregate`` (required for ``loss_agg="seq_mean_token_sum_norm"``).
 
     Returns:
-        ``(loss, metrics)``: ``ppo_clip_loss``'s metrics plus ``pg_loss``, ``loss``, and
+        ``(loss, metrics)``: the loss's metrics (``ppo_clip_loss``) plus ``pg_loss``, ``loss``, and
         ``kl`` when the penalty is on, and ``is_weight_mean`` / ``is_capped_fraction`` (share
-        of masked tokens whose weight hit the cap) for ``tis`` / ``decoupled``.
+        of masked tokens whose weight hit the cap) for ``tis`` / ``decoupled``, and
+        ``is_masked_fraction`` (share of masked tokens dropped by the band) with ``is_mask``.
 
     Raises:
         ValueError: ``cfg`` is invalid (see ``validate_algorithm``), or an input the
@@ -316,6 +489,7 @@ def policy_loss_terms(
     validate_algorithm(cfg)
     correction = cfg.off_policy
     weights: Tensor | None = None
+    keep: Tensor | None = None
     if correction == "none":
         anchor = behaviour_logprobs
     else:
@@ -324,13 +498,21 @@ def policy_loss_terms(
         else:  # decoupled; validate_algorithm rejected anything else
             anchor = _require(proximal_logprobs, "proximal_logprobs", "off_policy 'decoupled'")
         _check_like("behaviour_logprobs", behaviour_logprobs, anchor)
-        weights = truncated_is_weights(anchor, behaviour_logprobs, mask, cfg.is_cap)
+        weights = is_weights(anchor, behaviour_logprobs, mask, cfg.is_level, cfg.is_cap)
+        if cfg.is_mask != "none":
+            keep = is_band_mask(
+                anchor, behaviour_logprobs, mask, cfg.is_mask, cfg.mask_low, cfg.mask_high
+            )
+            # a dropped token keeps its place in the normalisation: the step is smaller,
+            # not rescaled onto the tokens that remain
+            weights = weights * keep
 
     ref = None
     if cfg.kl_coef > 0:
         ref = _require(ref_logprobs, "ref_logprobs", f"kl_coef={cfg.kl_coef} > 0")
 
-    pg_loss, metrics = _ppo_clip_terms(
+    pg_loss, metrics = _surrogate_terms(
+        cfg.loss,
         logprobs,
         anchor,
         advantages,
@@ -355,5 +537,7 @@ def policy_loss_terms(
         metrics["is_weight_mean"] = weights.sum() / n  # weights are 0 off the mask
         if cfg.is_cap is not None:
             metrics["is_capped_fraction"] = (m & (weights >= cfg.is_cap)).sum() / n
+        if keep is not None:
+            metrics["is_masked_fraction"] = (m & ~keep).sum() / n
     metrics["loss"] = loss.detach()
     return loss, metrics

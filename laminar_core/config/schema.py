@@ -266,6 +266,25 @@ class AlgorithmConfig:
         kl_estimator: per-token KL estimator, one of ``KL_ESTIMATORS``.
         loss_agg: how per-token losses are reduced, one of ``LOSS_AGGREGATIONS``.
         adv_eps: epsilon added to the std in the std-normalising estimators.
+        loss: the policy loss, one of ``LOSSES``: ``ppo`` (clipped token ratio), ``gspo``
+            (clipped sequence ratio; set clip_low/clip_high to ~3e-4/4e-4), ``cispo``
+            (clipped stop-gradient IS weight times log-prob).
+        is_level: how ``tis`` / ``decoupled`` form the IS weight, one of ``IS_LEVELS``:
+            ``token``, ``sequence`` (product of the token ratios) or ``geometric`` (their
+            geometric mean).
+        is_mask: drop (zero the weight of) what leaves the ratio band ``[mask_low,
+            mask_high]``, one of ``IS_MASKS``: ``none``, ``token`` (single tokens),
+            ``sequence`` / ``geometric`` (whole sequences by their product / geometric-mean
+            ratio). Needs ``off_policy`` ``tis`` or ``decoupled``.
+        mask_low, mask_high: the band of ``is_mask``; must hold 1 (``0 <= mask_low < 1 <
+            mask_high``).
+        dynamic_sampling: DAPO's dynamic sampling: drop groups that carry no signal before
+            they reach the experience buffer and hand their slots to new prompts. ``false``
+            (off), ``true`` (drop zero-variance groups) or a mapping ``{filter, max_rate,
+            patience}``: ``filter`` ``zero_variance`` or ``package.module:function``
+            (``fn(rewards: list[float]) -> bool``, True: drop), the run stops once more than
+            ``max_rate`` of a step's worth of groups were dropped ``patience`` times in a row
+            (0: never).
     """
 
     advantage: str = "grpo"
@@ -277,6 +296,12 @@ class AlgorithmConfig:
     kl_estimator: str = "k3"
     loss_agg: str = "token_mean"
     adv_eps: float = 1e-6
+    loss: str = "ppo"
+    is_level: str = "token"
+    is_mask: str = "none"
+    mask_low: float = 0.5
+    mask_high: float = 2.0
+    dynamic_sampling: Any = False
 
 
 @dataclass

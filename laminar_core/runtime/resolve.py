@@ -17,7 +17,8 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from laminar_core.algorithms.config import validate_algorithm
+from laminar_core.algorithms.config import dynamic_sampling, validate_algorithm
+from laminar_core.algorithms.filters import group_filter
 from laminar_core.buffers.experience import SAMPLERS
 from laminar_core.config.checks import check_values
 from laminar_core.config.loader import (
@@ -155,8 +156,14 @@ def validate(cfg: LaminarConfig, pm: PluginManager) -> None:
             raise ConfigError(f"reward.fn: {e}") from None
     try:
         validate_algorithm(cfg.algorithm)
+        sampling = dynamic_sampling(cfg.algorithm)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    if sampling is not None:
+        try:
+            group_filter(sampling.filter)
+        except ValueError as e:
+            raise ConfigError(f"algorithm.dynamic_sampling.filter: {e}") from None
     for spec in [cfg.schedule, *cfg.study.schedules]:
         sched = make_schedule(spec, cfg, pm)
         if cfg.buffer.sampler not in ("auto", *SAMPLERS):
