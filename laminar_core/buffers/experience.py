@@ -9,14 +9,19 @@ samples have finished (GRPO needs the whole group). Samplers are pluggable:
 
 Every trajectory id is accepted once and consumed once; a second write or a second
 consumption raises, so loss or duplication cannot go unnoticed.
+
+Dynamic sampling (``group_filter``): a group the filter drops when it completes never reaches
+the sampler; its trajectories are counted as filtered (accepted once, never consumed) and
+``on_group`` tells the rollout manager, which hands the slot to a new prompt.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import deque
+from collections.abc import Callable, Sequence
 
-from laminar_core.types import Group, TrainBatch, Trajectory
+from laminar_core.types import FinishReason, Group, TrainBatch, Trajectory
 
 
 class DuplicateTrajectoryError(RuntimeError):
@@ -85,10 +90,32 @@ class ByBatchSampler(_Sampler):
 SAMPLERS = {"fifo": FifoSampler, "by_batch": ByBatchSampler}
 
 
+def group_rewards(group: Group) -> list[float]:
+    """The rewards of a group's scored trajectories (failed ones have none to compare)."""
+    return [
+        float(t.reward)
+        for t in group.trajectories
+        if t.reward is not None and t.finish_reason is not FinishReason.FAILED
+    ]
+
+
 class ExperienceBuffer:
-    def __init__(self, sampler: str = "fifo") -> None:
+    """Whole groups for the trainer (module docstring). ``group_filter``: dynamic sampling's
+    predicate on a finished group's rewards (True: drop it); ``on_group(group, dropped)`` is
+    called once per finished group."""
+
+    def __init__(
+        self,
+        sampler: str = "fifo",
+        group_filter: Callable[[Sequence[float]], bool] | None = None,
+    ) -> None:
         if sampler not in SAMPLERS:
             raise ValueError(f"unknown sampler {sampler!r}; known: {', '.join(sorted(SAMPLERS))}")
+        self.group_filter = group_filter
+        self.on_group: Callable[[Group, bool], None] | None = None
+        self.groups_filtered = 0
+        self._filtered: list[Group] = []  # dropped since the last take_filtered()
+        self._filtered_ids: set[str] = set()
         self.sampler_name = sampler
         self._sampler: _Sampler = SAMPLERS[sampler]()
         self._open: dict[str, tuple[Group, int]] = {}  # group id -> (group, samples expected)
@@ -115,9 +142,33 @@ class ExperienceBuffer:
         if len(group.trajectories) == samples:
             del self._open[traj.group_id]
             group.trajectories.sort(key=lambda t: t.traj_id)
-            self._sampler.add(group)
-            self.groups_released += 1
-            self._changed.set()
+            dropped = self._drops(group)
+            if dropped:
+                self.groups_filtered += 1
+                self._filtered.append(group)
+                self._filtered_ids.update(t.traj_id for t in group.trajectories)
+            else:
+                self._sampler.add(group)
+                self.groups_released += 1
+                self._changed.set()
+            if self.on_group is not None:
+                self.on_group(group, dropped)
+
+    def _drops(self, group: Group) -> bool:
+        if self.group_filter is None:
+            return False
+        rewards = group_rewards(group)
+        # a group with no scored trajectory is the failed-steps check's to count, not ours
+        return bool(rewards) and bool(self.group_filter(rewards))
+
+    def take_filtered(self) -> list[Group]:
+        """The groups dropped since the last call (for ``rollouts.jsonl``)."""
+        out, self._filtered = self._filtered, []
+        return out
+
+    def filtered_trajectory_ids(self) -> list[str]:
+        """Every trajectory of a dropped group: accepted once, never consumed."""
+        return sorted(self._filtered_ids)
 
     def ready(self, step: int, n: int) -> bool:
         return self._sampler.ready(step, n)

@@ -16,11 +16,17 @@ Groups are tagged with the trainer step they are admitted for: ``tag = admitted 
 * ``WindowAdmission(W)`` -- ``laminar``: any replica, any version, while
   ``admitted - consumed < W * G`` (``buffer.max_ahead_batches``): staleness is not bounded
   by a knob, only the run-ahead of rollouts over the trainer is.
+
+Dynamic sampling (``algorithm.dynamic_sampling``): a group dropped when it finished gives its
+slot back (:meth:`Admission.on_filtered`): the next admission is a new prompt for the same
+step ``tag``, at once (the rule's gate does not apply: the slot was already counted), so
+every step still gets ``G`` groups and staleness bounds hold as before.
 """
 
 from __future__ import annotations
 
 import abc
+from collections import deque
 
 
 class Admission(abc.ABC):
@@ -28,8 +34,9 @@ class Admission(abc.ABC):
 
     def __init__(self, groups_per_step: int) -> None:
         self.groups_per_step = groups_per_step
-        self.admitted = 0  # groups handed out
+        self.admitted = 0  # group slots handed out
         self.consumed = 0  # groups the trainer took
+        self.refill: deque[int] = deque()  # tags of slots whose groups were filtered out
 
     @property
     def outstanding(self) -> int:
@@ -38,8 +45,17 @@ class Admission(abc.ABC):
 
     @property
     def next_tag(self) -> int:
-        """The trainer step the next group is admitted for."""
-        return self.admitted // self.groups_per_step
+        """The trainer step the next group is admitted for (a refilled slot's first)."""
+        return self.refill[0] if self.refill else self.admitted // self.groups_per_step
+
+    def may_admit(self) -> bool:
+        """May the next group be admitted: a slot to refill, or the rule is open."""
+        return bool(self.refill) or self.open()
+
+    def on_filtered(self, tag: int) -> None:
+        """A group admitted for step ``tag`` was dropped by dynamic sampling: its slot goes to
+        a new prompt (module docstring)."""
+        self.refill.append(tag)
 
     @abc.abstractmethod
     def open(self) -> bool:
@@ -55,7 +71,10 @@ class Admission(abc.ABC):
         return None
 
     def on_admitted(self) -> None:
-        self.admitted += 1
+        if self.refill:
+            self.refill.popleft()
+        else:
+            self.admitted += 1
 
     def on_consumed(self, consumed: int) -> None:
         """The trainer has taken ``consumed`` groups in all."""
@@ -65,6 +84,7 @@ class Admission(abc.ABC):
         """Continue a run whose trainer has done ``step`` steps (nothing outstanding: groups
         in flight at the checkpoint are re-issued)."""
         self.admitted = self.consumed = step * self.groups_per_step
+        self.refill.clear()
 
 
 class LagAdmission(Admission):

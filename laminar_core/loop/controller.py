@@ -44,7 +44,7 @@ from laminar_core.telemetry.events import (
     WaitData,
     WeightPush,
 )
-from laminar_core.types import TrainBatch
+from laminar_core.types import Group, TrainBatch
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +126,9 @@ class Controller:
         (tmp / ckpt.TRAINER_DIR).mkdir()
         await self.trainer.save_checkpoint(str(tmp / ckpt.TRAINER_DIR))
         prompts = self.manager.prompts
+        # a prompt dynamic sampling dropped was sampled and counted: it is owed to nobody
         pending = set(range(prompts.position)) - self.consumed_prompts
+        pending -= self.manager.filtered_prompts
         state = {
             "step": self.step,
             "version": self.held_version,
@@ -243,8 +245,11 @@ class Controller:
         prompts = [g.prompt_index for g in batch.groups]
         self.consumed_prompts.update(prompts)
         self._since_checkpoint += prompts
+        filtered = self._filtered(batch)
         if self.rollouts is not None:
             self.rollouts.write(step, version, batch.groups)
+            if filtered:
+                self.rollouts.write(step, version, filtered, trained=False)
         self._tell_manager(pub, version, self.manager.consumed_groups + len(batch.groups))
         rewards = [t.reward for t in trajs if t.reward is not None]
         rec = StepRecord(
@@ -259,7 +264,7 @@ class Controller:
             stall=pub.stall_seconds,
             metrics=dict(metrics),
             reward_mean=sum(rewards) / len(rewards) if rewards else None,
-            rollout=tool_metrics(trajs),
+            rollout={**tool_metrics(trajs), **self._filter_metrics(batch, filtered)},
         )
         self.records.append(rec)
         self.events.record(WaitData(t=t1, actor="trainer", duration=t1 - t0, step=step))
@@ -294,6 +299,24 @@ class Controller:
             row.update(await self._evaluate(rec))
         self.metrics.write(row)
         return True
+
+    def _filtered(self, batch: TrainBatch) -> list[Group]:
+        """The groups dynamic sampling dropped since the previous step."""
+        return self.buffer.take_filtered() if self.manager.filter_watch is not None else []
+
+    def _filter_metrics(self, batch: TrainBatch, filtered: list[Group]) -> dict[str, float]:
+        """``groups_filtered`` since the previous step and ``filter_rate``: their share of the
+        groups that finished in that time (dynamic sampling on; else nothing)."""
+        if self.manager.filter_watch is None:
+            return {}
+        n = len(filtered)
+        return {
+            "groups_filtered": float(n),
+            "filter_rate": n / max(1, n + len(batch.groups)),
+            "sampled_trajectories": float(
+                len(batch.trajectories) + sum(len(g.trajectories) for g in filtered)
+            ),
+        }
 
     async def _evaluate(self, rec: StepRecord) -> dict[str, Any]:
         """An eval round on the version this step published; its ``eval_*`` row keys.

@@ -29,10 +29,13 @@ import functools
 import logging
 from typing import cast
 
+from laminar_core.algorithms.config import DynamicSampling
 from laminar_core.buffers import ExperienceBuffer, InFlight, PartialPool, PromptPool
+from laminar_core.buffers.experience import group_rewards
 from laminar_core.interfaces import RepackPolicy, RolloutEngine
 from laminar_core.loop.dispatch import Dispatch
 from laminar_core.loop.episodes import Episodes
+from laminar_core.loop.filtering import FilterWatch
 from laminar_core.loop.moves import Repacker
 from laminar_core.loop.options import ManagerOptions
 from laminar_core.loop.placement import Placement, RewardFn
@@ -42,8 +45,8 @@ from laminar_core.loop.supervisor import NodeRelayLike, ReplicaSlot, ReplicaSupe
 from laminar_core.loop.tasks import ManagerTasks
 from laminar_core.loop.updates import WeightUpdates
 from laminar_core.telemetry import EventLog
-from laminar_core.telemetry.events import ReplicaAdded, ReplicaFailed
-from laminar_core.types import GenerationRequest, Move, ReplicaState
+from laminar_core.telemetry.events import GroupFiltered, ReplicaAdded, ReplicaFailed
+from laminar_core.types import GenerationRequest, Group, Move, ReplicaState
 
 __all__ = ["ManagerOptions", "NodeRelayLike", "ReplicaSlot", "RewardFn", "RolloutManager"]
 
@@ -63,6 +66,7 @@ class RolloutManager:
         events: EventLog | None = None,
         restart: RestartFn | None = None,
         episodes: Episodes | None = None,
+        dynamic_sampling: DynamicSampling | None = None,
     ) -> None:
         self.slots = slots
         self.prompts = prompts
@@ -116,6 +120,12 @@ class RolloutManager:
         self.recovery.restart_fn = restart
         self._kicked = False
         self._held = 0  # hold_admission() calls not yet released (eval rounds)
+        # dynamic sampling: the buffer drops groups, admission refills their slots
+        self.filter_watch: FilterWatch | None = None
+        self.filtered_prompts: set[int] = set()  # sampled, counted, never trained
+        if dynamic_sampling is not None:
+            self.filter_watch = FilterWatch(dynamic_sampling, options.groups_per_step)
+            buffer.on_group = self._group_done
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
@@ -334,11 +344,19 @@ class RolloutManager:
         samples = self.prompts.samples
         adm = self.admission
         dispatch = self.dispatch
-        while not self._held and adm.open():
+        while not self._held and adm.may_admit():
             tag = adm.next_tag
             need = adm.min_version(tag)
             if need is not None and need > sup.newest_open:
                 return  # no open replica is recent enough
+            if adm.refill:
+                # a dropped group's slot: outside the dispatch policy's per-step shares (they
+                # are spent on the step's first groups), to the least-loaded recent replica
+                slot = self.placement.least_loaded(samples, -(1 << 62) if need is None else need)
+                if slot is None:
+                    return
+                self._admit_group(slot, tag)
+                continue
             slot = dispatch.choose(sup.open, samples, tag, need, changed)
             if slot is None:
                 return
@@ -368,6 +386,30 @@ class RolloutManager:
             item = InFlight(req, slot.replica_id, slot.version)
             self.pool.add(item)
             self.placement.launch(slot, item, None)
+
+    def _group_done(self, group: Group, dropped: bool) -> None:
+        """The buffer finished ``group`` (dynamic sampling on): count it; a dropped group's
+        slot goes to a new prompt now (``loop.filtering``)."""
+        assert self.filter_watch is not None
+        rewards = group_rewards(group)
+        if dropped:
+            self.filtered_prompts.add(group.prompt_index)
+            self.events.record(
+                GroupFiltered(
+                    t=self.now(),
+                    actor="buffer",
+                    group_id=group.group_id,
+                    prompt=group.prompt_index,
+                    tag=group.batch_tag,
+                    rewards=rewards,
+                )
+            )
+            self.admission.on_filtered(group.batch_tag)
+            self._kick()
+        try:
+            self.filter_watch.seen(dropped, rewards)
+        except Exception as e:
+            self.tasks.fail(e)
 
     # -- failures ------------------------------------------------------------------------------
     def _replica_failed(self, slot: ReplicaSlot, reason: str) -> None:

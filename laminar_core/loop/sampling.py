@@ -16,6 +16,7 @@ from collections.abc import Awaitable
 from typing import Any
 
 from laminar_core.buffers import ExperienceBuffer
+from laminar_core.loop.filtering import DynamicSamplingStop
 from laminar_core.loop.manager import RolloutManager
 from laminar_core.loop.stopping import StopRequested
 from laminar_core.types import Group, TrainBatch
@@ -74,6 +75,8 @@ class BatchSource:
         if fatal is not None and fatal.done():
             sample.cancel()
             error = fatal.exception()
+            if isinstance(error, DynamicSamplingStop):
+                raise error  # a cause of its own, not a broken manager
             raise RuntimeError(f"rollout manager failed: {error}") from error
         if not sample.done():
             sample.cancel()

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
+from laminar_core.algorithms.config import dynamic_sampling
+from laminar_core.algorithms.filters import group_filter
 from laminar_core.buffers import ExperienceBuffer, PromptPool
 from laminar_core.config.loader import ResolvedConfig
 from laminar_core.envs.build import make_environment
@@ -104,7 +106,8 @@ def assemble(spec: RunSpec, started: Started, runtime: Runtime) -> Run:
     if dataset is None:
         dataset = build_prompts(spec.resolved, None)[0]
     sampler = spec.schedule.sampler if cfg.buffer.sampler == "auto" else cfg.buffer.sampler
-    buffer = ExperienceBuffer(sampler)
+    sampling = dynamic_sampling(cfg.algorithm)
+    buffer = ExperienceBuffer(sampler, group_filter(sampling.filter) if sampling else None)
     prompts = PromptPool(
         dataset, cfg.data.samples_per_prompt, seed=cfg.run.seed, shuffle=cfg.data.shuffle
     )
@@ -143,6 +146,7 @@ def assemble(spec: RunSpec, started: Started, runtime: Runtime) -> Run:
         reward_fn=spec.reward_fn,
         events=events,
         episodes=episodes,
+        dynamic_sampling=sampling,
     )
     run_dir = spec.run_dir
     controller = Controller(

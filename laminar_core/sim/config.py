@@ -55,6 +55,11 @@ class SimRolloutConfig:
     ``kv_capacity_tokens`` (the trajectory holds no batch slot); the next turn, if it comes
     back to this replica, prefills only the observation. Kept KV is evicted (oldest first)
     when admission or decoding needs the room, and dropped when the replica loads new weights.
+
+    ``uniform_groups`` (``null``: trajectories carry no reward): simulated rewards, for
+    dynamic sampling (``algorithm.dynamic_sampling``). That share of prompts, drawn per prompt
+    from its index, gets the same reward (1.0) on every sample, which the filter drops; every
+    other group alternates 1/0 by sample.
     """
 
     decode_step_s: float = 0.025
@@ -70,8 +75,11 @@ class SimRolloutConfig:
     tool_kv: str = "release"
     lengths: LengthsConfig = field(default_factory=LengthsConfig)
     failures: list[FailureSpec] = field(default_factory=list)
+    uniform_groups: float | None = None
 
     def __post_init__(self) -> None:
+        if self.uniform_groups is not None and not 0 <= self.uniform_groups <= 1:
+            raise ValueError(f"uniform_groups must be in [0, 1] (got {self.uniform_groups})")
         if self.tool_kv not in ("keep", "release"):
             raise ValueError(f"tool_kv: unknown {self.tool_kv!r}; known: keep, release")
         for name in ("roofline_batch", "max_num_seqs", "max_num_batched_tokens"):

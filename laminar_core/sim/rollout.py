@@ -46,6 +46,8 @@ tool turn's resume is not a move: it is counted apart (``tool_resumes``,
 
 from __future__ import annotations
 
+import random
+
 import asyncio
 import heapq
 import itertools
@@ -73,6 +75,15 @@ from laminar_core.types import (
 
 _EPS = 1e-6
 _WAITING, _PREFILL, _RUNNING = 0, 1, 2
+
+
+def simulated_reward(metadata: dict, uniform_groups: float) -> float:
+    """``rollout.sim.uniform_groups``' reward: a prompt drawn (from its index) into the uniform
+    share scores 1.0 on every sample; any other alternates 1/0 by sample."""
+    prompt = int(metadata.get("prompt_index", 0))
+    if random.Random(prompt * 7919 + 17).random() < uniform_groups:
+        return 1.0
+    return float(int(metadata.get("sample_key", 0)) % 2)
 
 
 class Finished(NamedTuple):
@@ -661,6 +672,8 @@ class SimRolloutEngine(RolloutEngine):
             finish_time=now,
             metadata={**r.metadata, "resumed_tokens": resumed_from} if resumed_from else r.metadata,
         )
+        if self.cfg.uniform_groups is not None and req.final:
+            traj.reward = simulated_reward(r.metadata, self.cfg.uniform_groups)
         if req.final:
             self._plans.pop(r.metadata.get("sample_key", 0), None)
         if self.ledger is not None and req.final:

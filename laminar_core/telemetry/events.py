@@ -79,6 +79,19 @@ class SchemaLine(Event):
 
 
 @dataclass(slots=True, kw_only=True)
+class GroupFiltered(Event):
+    """Dynamic sampling dropped the finished group ``group_id`` of prompt ``prompt`` (admitted
+    for step ``tag``) before the experience buffer: its prompt was sampled and is never
+    trained on; a new prompt took its slot. ``rewards``: the group's rewards."""
+
+    kind: ClassVar[str] = "group_filtered"
+    group_id: str
+    prompt: int
+    tag: int
+    rewards: list[float]
+
+
+@dataclass(slots=True, kw_only=True)
 class TrajectoryDone(Event):
     """A trajectory was written to the experience buffer (``actor``: the replica of its last
     turn; ``duration``: from its first dispatch). ``version``: the weights that started it;
@@ -247,6 +260,7 @@ _BASE = ("t", "actor", "duration")
 _OWN: dict[type[Event], tuple[str, ...]] = {}
 for _cls in (
     SchemaLine,
+    GroupFiltered,
     TrajectoryDone,
     WeightPull,
     RepackMove,

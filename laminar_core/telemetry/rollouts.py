@@ -1,4 +1,5 @@
-"""``rollouts.jsonl``: every trajectory the trainer learned from, one JSON line each.
+"""``rollouts.jsonl``: every trajectory the trainer learned from, one JSON line each (and,
+with dynamic sampling, every trajectory of a dropped group, marked ``"filtered": true``).
 
 Written by the controller after each step that trained (``run.dump_rollouts``), in batch
 order: what a user reads to see what the policy produced and was rewarded for, and what a
@@ -27,16 +28,22 @@ class RolloutDump:
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="rollout-dump")
         self._pending: list[Future] = []
 
-    def write(self, step: int, weight_version: int, groups: list[Any]) -> None:
+    def write(
+        self, step: int, weight_version: int, groups: list[Any], trained: bool = True
+    ) -> None:
         """Queue a trained batch. ``groups``: its ``Group``s (not changed afterwards);
         ``weight_version``: the version the step published (the trajectories were generated
-        by older ones: ``versions``). A failed write surfaces here, at the next call."""
+        by older ones: ``versions``). ``trained=False``: groups dynamic sampling dropped
+        before that step (their lines say ``"filtered": true``: sampled, never trained). A
+        failed write surfaces here, at the next call."""
         for done in [f for f in self._pending if f.done()]:
             self._pending.remove(done)
             done.result()  # a disk error stops the run instead of losing lines silently
-        self._pending.append(self._writer.submit(self._write, step, weight_version, groups))
+        self._pending.append(
+            self._writer.submit(self._write, step, weight_version, groups, trained)
+        )
 
-    def _write(self, step: int, weight_version: int, groups: list[Any]) -> None:
+    def _write(self, step: int, weight_version: int, groups: list[Any], trained: bool) -> None:
         for g in groups:
             for t in g.trajectories:
                 row = {
@@ -54,6 +61,8 @@ class RolloutDump:
                 }
                 if t.loss_mask:
                     row["loss_mask"] = list(t.loss_mask)
+                if not trained:
+                    row["filtered"] = True
                 meta = {k: v for k, v in t.metadata.items() if _plain(v)}
                 if meta:
                     row["metadata"] = meta
