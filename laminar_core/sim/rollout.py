@@ -46,12 +46,11 @@ tool turn's resume is not a move: it is counted apart (``tool_resumes``,
 
 from __future__ import annotations
 
-import random
-
 import asyncio
 import heapq
 import itertools
 import math
+import random
 from collections import deque
 from typing import NamedTuple
 
