@@ -255,6 +255,18 @@ def test_compute_logprobs_then_off_policy_correction():
     ]
     m = asyncio.run(eng.train_step(batch))
     assert "is_weight_mean" in m and m["trained_trajectories"] == 12.0
+    assert "is_masked_fraction" not in m
+    # masked IS: the band drops tokens (a narrow one, so some are) and the step says how many
+    cfg = _cfg(
+        "algorithm.off_policy=tis",
+        "algorithm.is_mask=token",
+        "algorithm.mask_low=0.99",
+        "algorithm.mask_high=1.01",
+    )
+    eng = Bigram(cfg, budget=12)
+    asyncio.run(eng.compute_logprobs(batch))
+    m = asyncio.run(eng.train_step(batch))
+    assert 0 < m["is_masked_fraction"] <= 1
 
 
 def test_loss_mask_zero_tokens_count_for_nothing_and_bad_masks_are_left_out():
@@ -300,3 +312,22 @@ def test_an_engine_breaking_the_hooks_gets_the_fix_named():
         asyncio.run(_PerPosition(cfg, budget=12).compute_logprobs(_batch()))
     with pytest.raises(RuntimeError, match=r"called loss_fn 1 times for \d+ micro-batches"):
         asyncio.run(_SkipsLoss(cfg, budget=12).train_step(_batch()))
+
+
+@pytest.mark.parametrize(
+    ("loss", "agg"),
+    [("gspo", "seq_mean_token_mean"), ("gspo", "token_mean"), ("cispo", "token_mean")],
+)
+def test_every_loss_sums_over_micro_batches_to_the_batch_objective(loss: str, agg: str):
+    # a sequence-level ratio (GSPO) needs each trajectory whole in one micro-batch: it is
+    cfg = _cfg(f"algorithm.loss={loss}", f"algorithm.loss_agg={agg}")
+    batch = _batch()
+    want_loss, want_grads = _reference(cfg, batch)
+    ppo_loss, _ = _reference(_cfg(f"algorithm.loss_agg={agg}"), batch)
+    assert want_loss != pytest.approx(ppo_loss)  # the loss is not PPO's
+    eng = Bigram(cfg, budget=12, packed=True)
+    metrics = asyncio.run(eng.train_step(batch))
+    assert len(eng.losses) > 2
+    assert metrics["loss"] == pytest.approx(want_loss, rel=1e-5)
+    for name, g in want_grads.items():
+        torch.testing.assert_close(_grads(eng)[name], g, atol=1e-6, rtol=1e-4, msg=name)
