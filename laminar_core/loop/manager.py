@@ -352,10 +352,10 @@ class RolloutManager:
             if adm.refill:
                 # a dropped group's slot: outside the dispatch policy's per-step shares (they
                 # are spent on the step's first groups), to the least-loaded recent replica
-                slot = self.placement.least_loaded(samples, -(1 << 62) if need is None else need)
-                if slot is None:
+                refill = self.placement.least_loaded(samples, -(1 << 62) if need is None else need)
+                if refill is None:
                     return
-                self._admit_group(slot, tag)
+                self._admit_group(refill, tag)
                 continue
             slot = dispatch.choose(sup.open, samples, tag, need, changed)
             if slot is None:
