@@ -24,6 +24,7 @@ def check_values(cfg: LaminarConfig) -> None:
     _data_reward(cfg)
     _runtime(cfg)
     _agent(cfg)
+    _lora(cfg)
     import torch  # only here: parsing a config must not pay for torch
 
     if not isinstance(getattr(torch, cfg.model.dtype, None), torch.dtype):
@@ -39,6 +40,31 @@ def _agent(cfg: LaminarConfig) -> None:
         raise ConfigError(
             f"agent.version_policy: unknown '{policy}'; known: {', '.join(VERSION_POLICIES)}"
             f"{close_match(policy, VERSION_POLICIES)}"
+        )
+
+
+def _lora(cfg: LaminarConfig) -> None:
+    lora = cfg.trainer.lora
+    if lora.rank < 0:
+        raise ConfigError(f"trainer.lora.rank must be >= 0 (0: full fine-tuning), got {lora.rank}")
+    if lora.rank == 0:
+        return
+    if not lora.alpha > 0:
+        raise ConfigError(f"trainer.lora.alpha must be > 0, got {lora.alpha}")
+    if not 0 <= lora.dropout < 1:
+        raise ConfigError(f"trainer.lora.dropout must be in [0, 1), got {lora.dropout}")
+    names = list(lora.target_modules)
+    if not names or not all(isinstance(n, str) and n.strip() for n in names):
+        raise ConfigError(
+            "trainer.lora.target_modules must name at least one linear layer (e.g. [q_proj, "
+            f"v_proj]), got {names}"
+        )
+    heads = [n for n in names if n.split(".")[-1] in ("lm_head", "embed_tokens")]
+    if heads:
+        raise ConfigError(
+            f"trainer.lora.target_modules: {heads} are not decoder linear layers; adapters go "
+            "on attention and MLP projections (q_proj, k_proj, v_proj, o_proj, gate_proj, "
+            "up_proj, down_proj)"
         )
 
 

@@ -123,9 +123,38 @@ class RolloutConfig:
 
 
 @dataclass
+class LoRAConfig:
+    """Low-rank adapters (LoRA) instead of full fine-tuning; ``rank: 0`` (the default, or
+    ``lora: {}``) trains every weight.
+
+    Each linear layer whose name ends in one of ``target_modules`` (module names such as
+    ``q_proj``, as PEFT matches them) gets ``W x + (alpha / rank) * B A dropout(x)`` with
+    ``A: [rank, in]`` and ``B: [out, rank]`` (B starts at zero: version 0 is the base
+    model); only A and B are trained, and a weight version is those tensors alone. The
+    replicas load each version as an adapter (``docs/lora.md``).
+    """
+
+    rank: int = 0
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: list[str] = field(
+        default_factory=lambda: [
+            "q_proj",
+            "k_proj",
+            "v_proj",
+            "o_proj",
+            "gate_proj",
+            "up_proj",
+            "down_proj",
+        ]
+    )
+
+
+@dataclass
 class TrainerConfig:
     engine: str = "sim"
     mini_batches: int = 16
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     # A dead rank (or a collective that timed out) restarts the trainer group from the
     # latest checkpoint while rollouts go on; more than max_restarts stops the run.
     max_restarts: int = 2

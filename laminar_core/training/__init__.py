@@ -25,26 +25,42 @@ from laminar_core.training.batching import (
     trainable,
 )
 from laminar_core.training.engine import ModelTrainerEngine
+from laminar_core.training.lora import (
+    LoRALinear,
+    LoRASpec,
+    adapter_tensors,
+    apply_lora,
+    merge_into,
+    read_adapter,
+    write_adapter,
+)
 from laminar_core.training.step import LossFn, TrainStep, add_logprob_agreement, group_advantages
 
 __all__ = [
     "BatchLayout",
+    "LoRALinear",
+    "LoRASpec",
     "LossFn",
     "MicroBatch",
     "ModelTrainerEngine",
     "TrainStep",
+    "adapter_tensors",
     "add_logprob_agreement",
+    "apply_lora",
     "assign_ranks",
     "collate",
     "collate_packed",
     "empty_micro_batch",
+    "merge_into",
     "group_advantages",
     "pack_bins",
     "pack_micro_batches",
     "padded",
     "plan_micro_batches",
+    "read_adapter",
     "response_mask",
     "responses",
     "split_mini_batches",
     "trainable",
+    "write_adapter",
 ]

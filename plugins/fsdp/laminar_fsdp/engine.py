@@ -39,7 +39,15 @@ from laminar_core import (
     model_dir,
     to_device,
 )
-from laminar_core.training import LossFn, plan_micro_batches, responses, trainable
+from laminar_core.training import (
+    LoRASpec,
+    LossFn,
+    adapter_tensors,
+    apply_lora,
+    plan_micro_batches,
+    responses,
+    trainable,
+)
 from laminar_fsdp import attention, ulysses
 from laminar_fsdp.export import WeightStream, export_buckets
 from laminar_fsdp.memory import SavedBytes, saved_activations
@@ -55,6 +63,7 @@ T = TypeVar("T")
 
 class FSDPTrainerEngine(ModelTrainerEngine):
     Options = FSDPOptions
+    supports_lora = True
 
     @classmethod
     def from_config(cls, ctx: BuildContext) -> FSDPTrainerEngine:
@@ -71,6 +80,8 @@ class FSDPTrainerEngine(ModelTrainerEngine):
         self.device = torch.device("cpu")
         self.model: PolicyModel | None = None
         self.lm: torch.nn.Module | None = None
+        # trainer.lora: adapters on the targeted linear layers, the rest frozen (lora.py)
+        self.lora = LoRASpec.of(self.cfg.trainer.lora)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="laminar-fsdp")
 
     async def run_blocking(self, fn: Callable[..., T], *args: Any) -> T:
@@ -136,6 +147,8 @@ class FSDPTrainerEngine(ModelTrainerEngine):
         if self.sp > 1:
             conf = lm.config
             ulysses.kv_repeat(conf.num_key_value_heads, conf.num_attention_heads, self.sp)
+        if self.lora is not None:
+            apply_lora(lm, self.lora)  # before sharding: FSDP shards the adapters with the layers
         if self.opt.gradient_checkpointing:
             lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         train_mode_without_dropout(lm)  # the mode is deliberate: see its docstring
@@ -155,8 +168,9 @@ class FSDPTrainerEngine(ModelTrainerEngine):
         policy.to(self.device)
         self.model, self.lm = policy, lm
         o = self.opt
+        self.trained = [p for p in policy.parameters() if p.requires_grad]  # LoRA: adapters
         self.optim = torch.optim.AdamW(
-            policy.parameters(),
+            self.trained,
             lr=o.lr,
             betas=(o.beta1, o.beta2),
             eps=o.eps,
@@ -265,7 +279,7 @@ class FSDPTrainerEngine(ModelTrainerEngine):
             (loss * self.world).backward()
 
     def optimizer_step(self) -> torch.Tensor:
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.opt.grad_clip)
+        norm = torch.nn.utils.clip_grad_norm_(self.trained, self.opt.grad_clip)
         norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
         self.optim.step()
         self.sched.step()
@@ -301,8 +315,9 @@ class FSDPTrainerEngine(ModelTrainerEngine):
 
     def weight_stream(self) -> WeightStream:
         """The export as a stream iterable with ``async for`` (as ``export_weights``) or,
-        blocking the caller, a plain ``for`` (benchmarks, tools)."""
-        named = list(self.lm.named_parameters())
+        blocking the caller, a plain ``for`` (benchmarks, tools). With ``trainer.lora`` a
+        version is the adapter tensors alone, under PEFT's names (``training.lora``)."""
+        named = adapter_tensors(self.lm) if self.lora else list(self.lm.named_parameters())
         size = int(self.opt.export_bucket_mb * (1 << 20))
         return WeightStream(
             lambda: export_buckets(named, self.export_dtype, self.device, size),
@@ -318,7 +333,7 @@ class FSDPTrainerEngine(ModelTrainerEngine):
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        msd, osd = get_state_dict(self.model, self.optim)
+        msd, osd = get_state_dict(self.model, self.optim, options=self._sd_options())
         dcp.save({"model": msd, "optim": osd}, checkpoint_id=directory)
         if self.rank == 0:
             state = {"version": self.version, "scheduler": self.sched.state_dict()}
@@ -336,15 +351,28 @@ class FSDPTrainerEngine(ModelTrainerEngine):
         meta = Path(directory, _STATE_FILE)
         if not meta.is_file():
             raise FileNotFoundError(f"{directory} is not a trainer checkpoint (no {_STATE_FILE})")
-        msd, osd = get_state_dict(self.model, self.optim)
+        opts = self._sd_options()
+        msd, osd = get_state_dict(self.model, self.optim, options=opts)
         state = {"model": msd, "optim": osd}
         dcp.load(state, checkpoint_id=directory)
         set_state_dict(
-            self.model, self.optim, model_state_dict=state["model"], optim_state_dict=state["optim"]
+            self.model,
+            self.optim,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+            options=opts,
         )
         saved = json.loads(meta.read_text())
         self.version = int(saved["version"])
         self.sched.load_state_dict(saved["scheduler"])
+
+    def _sd_options(self):
+        """LoRA: a checkpoint holds the adapters and their optimiser state; the frozen base
+        is ``model.path``'s, loaded again at setup."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        frozen = self.lora is not None
+        return StateDictOptions(ignore_frozen_params=frozen, strict=not frozen)
 
     async def close(self) -> None:
         if dist.is_initialized():

@@ -11,6 +11,12 @@ version is staged in a safetensors file in host shared memory (``/dev/shm``, cor
 ``ShmScratch``) and every vLLM worker maps it and calls vLLM's ``reload_weights``; the
 prefix cache is reset after, since cached KV blocks were computed by the old weights.
 
+With ``trainer.lora`` a version is a LoRA adapter (PEFT names, ``laminar_core.training.lora``):
+it is written as a PEFT adapter directory in the same shared-memory scratch and loaded as a
+``LoRARequest`` of its own (``add_lora``), which every request started after the update
+carries; the base weights never change. A request keeps the ``LoRARequest`` it started with,
+and the previous adapter is removed only once nothing is in flight.
+
 vLLM is imported only in ``start()``, so validating a config or listing plugins stays fast.
 """
 
@@ -21,6 +27,8 @@ import dataclasses
 import gc
 import itertools
 import os
+import shutil
+from typing import Any
 
 from laminar_core import (
     BuildContext,
@@ -31,6 +39,7 @@ from laminar_core import (
     PartialTrajectory,
     ReplicaFailure,
     RolloutEngine,
+    ModelOnly,
     SharedWeights,
     ShmScratch,
     TensorWeights,
@@ -38,6 +47,7 @@ from laminar_core import (
     WeightsRef,
     model_dir,
 )
+from laminar_core.training import LoRASpec, write_adapter
 from laminar_vllm.options import VLLMOptions
 
 # Timings use the monotonic clock: the one the driver's event loop reads (on one node).
@@ -60,6 +70,7 @@ class VLLMRolloutEngine(RolloutEngine):
             dataclasses.replace(opt, seed=ctx.seed(opt.seed)),
             model_dtype=cfg.model.dtype,
             own_process=ctx.own_process,
+            lora=LoRASpec.of(cfg.trainer.lora),
         )
 
     def __init__(
@@ -69,6 +80,7 @@ class VLLMRolloutEngine(RolloutEngine):
         options: VLLMOptions | None = None,
         model_dtype: str = "bfloat16",
         own_process: bool = False,
+        lora: LoRASpec | None = None,
     ) -> None:
         self.replica_id = replica_id
         self.model_path = model_path
@@ -86,6 +98,9 @@ class VLLMRolloutEngine(RolloutEngine):
         self._num_blocks = 0
         self._sched = None  # last SchedulerStats vLLM reported (its own view of the queue)
         self._dead: str | None = None
+        self.lora = lora  # versions are adapters of this shape (trainer.lora)
+        self._adapter: Any = None  # the LoRARequest new requests carry (None: the base model)
+        self._adapter_ids = itertools.count(1)  # vLLM's adapter ids start at 1
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
@@ -120,6 +135,8 @@ class VLLMRolloutEngine(RolloutEngine):
         kwargs = {}
         if self.opt.kv_cache_mb > 0:
             kwargs["kv_cache_memory_bytes"] = self.opt.kv_cache_mb << 20
+        if self.lora is not None:
+            kwargs.update(lora_engine_args(self.lora))
         args = AsyncEngineArgs(
             model=str(path),
             dtype=self.dtype,
@@ -167,6 +184,9 @@ class VLLMRolloutEngine(RolloutEngine):
         llm, self._llm = self._llm, None
         if llm is not None:
             llm.shutdown()
+        if self._adapter is not None:
+            shutil.rmtree(self._adapter.lora_path, ignore_errors=True)
+            self._adapter = None
         self._scratch.release()
 
     def _stat_logger(self) -> type:
@@ -234,7 +254,9 @@ class VLLMRolloutEngine(RolloutEngine):
         )
         try:
             prompt = TokensPrompt(prompt_token_ids=live.input_ids)
-            async for out in self._llm.generate(prompt, params, live.request_id):
+            # the adapter this request started with, whatever update comes after
+            kw = {"lora_request": self._adapter} if self._adapter is not None else {}
+            async for out in self._llm.generate(prompt, params, live.request_id, **kw):
                 o = out.outputs[0]
                 new = list(o.token_ids)
                 live.tokens.extend(new)
@@ -265,7 +287,9 @@ class VLLMRolloutEngine(RolloutEngine):
     async def update_weights(self, weights: WeightsRef) -> None:
         self._check()
         self._inflight.require_idle()
-        if isinstance(weights, SharedWeights):
+        if self.lora is not None and not isinstance(weights, ModelOnly):
+            await self._load_adapter(weights)
+        elif isinstance(weights, SharedWeights):
             # The node relay's own file: every worker maps it (no copy of ours). Opening it
             # here first makes a missing or replaced version fail before any worker loads.
             iter(weights)
@@ -278,6 +302,30 @@ class VLLMRolloutEngine(RolloutEngine):
             await self._llm.reset_prefix_cache()  # cached KV was computed by the old weights
         # ModelOnly (a simulated trainer's version): nothing to load
         self.version = weights.version
+
+    async def _load_adapter(self, weights: WeightsRef) -> None:
+        """A LoRA version: a PEFT adapter directory in scratch, loaded by vLLM before any
+        request uses it (an adapter that does not fit the base model fails here, not in a
+        request); the previous adapter is dropped (nothing is in flight)."""
+        from vllm.lora.request import LoRARequest
+
+        n = next(self._adapter_ids)
+        path = self._scratch.dir() / f"{self.replica_id}-adapter{n}"
+        await asyncio.to_thread(write_adapter, path, iter(weights), self.lora, self.model_path)
+        request = LoRARequest(f"laminar-v{weights.version}", n, str(path))
+        try:
+            await self._llm.add_lora(request)
+        except Exception as e:
+            shutil.rmtree(path, ignore_errors=True)
+            raise RuntimeError(
+                f"replica {self.replica_id}: vLLM could not load version {weights.version}'s "
+                f"LoRA adapter ({type(e).__name__}: {e}); the trainer's trainer.lora and "
+                "model.path must match this replica's base model"
+            ) from e
+        old, self._adapter = self._adapter, request
+        if old is not None:
+            await self._llm.remove_lora(old.lora_int_id)
+            shutil.rmtree(old.lora_path, ignore_errors=True)
 
     async def stats(self) -> EngineStats:
         """Load for the rollout manager and repack (``RepackPolicy`` reads ``kv_use`` and
@@ -310,3 +358,20 @@ class VLLMRolloutEngine(RolloutEngine):
             kv_capacity_tokens=self._capacity_tokens,
             version=self.version,
         )
+
+
+#: The ranks vLLM's LoRA kernels are built for (``vllm.config.lora.MaxLoRARanks``).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def lora_engine_args(lora: LoRASpec) -> dict[str, Any]:
+    """vLLM's engine arguments for adapters of ``lora``'s shape: one adapter per batch (a
+    replica serves one version at a time), the smallest supported ``max_lora_rank`` that
+    holds the rank."""
+    fits = [r for r in VLLM_LORA_RANKS if r >= lora.rank]
+    if not fits:
+        raise ValueError(
+            f"trainer.lora.rank={lora.rank} is above vLLM's largest LoRA rank "
+            f"{VLLM_LORA_RANKS[-1]}; use a rank <= {VLLM_LORA_RANKS[-1]}"
+        )
+    return {"enable_lora": True, "max_lora_rank": fits[0], "max_loras": 1, "max_cpu_loras": 2}

@@ -5,7 +5,7 @@ talks to it over ZMQ. A replica that already has a process to itself -- a Ray ac
 one engine -- then costs two processes, and each imports vLLM: on a small CPU machine that
 second import is most of a replica's start-up (~10-17 s of CPU here). ``InprocLLM`` keeps the
 same calls the engine makes on ``AsyncLLM`` (``generate`` streaming ``RequestOutput`` deltas,
-``abort``, ``collective_rpc``, ``reset_prefix_cache``, ``errored``/``dead_error``,
+``abort``, ``collective_rpc``, ``reset_prefix_cache``, ``add_lora``/``remove_lora``, ``errored``/``dead_error``,
 ``shutdown``) over vLLM's synchronous ``LLMEngine`` with its in-process core client.
 
 Contract: one background task steps the engine while it has requests; each ``step`` runs
@@ -58,7 +58,9 @@ class InprocLLM:
         return cls(engine)
 
     # -- requests ----------------------------------------------------------------------------
-    async def generate(self, prompt: Any, params: Any, request_id: str) -> AsyncIterator[Any]:
+    async def generate(
+        self, prompt: Any, params: Any, request_id: str, lora_request: Any = None
+    ) -> AsyncIterator[Any]:
         """The request's ``RequestOutput`` s as the engine produces them, until it finishes
         or is aborted. Leaving the loop early (cancelled) aborts the request."""
         self._raise_if_dead()
@@ -68,7 +70,7 @@ class InprocLLM:
         try:
             async with self._lock:
                 self._raise_if_dead()
-                self.engine.add_request(request_id, prompt, params)
+                self.engine.add_request(request_id, prompt, params, lora_request=lora_request)
             self._ensure_driver()
             self._wake.set()
             while True:
@@ -114,6 +116,18 @@ class InprocLLM:
             return await loop.run_in_executor(
                 self._pool, lambda: self.engine.collective_rpc(method, args=args, kwargs=kwargs)
             )
+
+    async def add_lora(self, lora_request: Any) -> bool:
+        """Load a LoRA adapter (between two steps)."""
+        async with self._lock:
+            self._raise_if_dead()
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self._pool, self.engine.add_lora, lora_request)
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        async with self._lock:
+            self._raise_if_dead()
+            return self.engine.remove_lora(lora_id)
 
     async def reset_prefix_cache(self) -> bool:
         async with self._lock:
