@@ -10,10 +10,15 @@ Prints, in one run on this machine:
       has its own link);
   (c) the trainer's stall against the relay count: with the staged push (the default) until
       the version is copied to host memory, and until the master relay holds it;
-  (d) chunked pipeline vs unchunked: the latency model's predicted time beside the measured.
+  (d) chunked pipeline vs unchunked: the latency model's predicted time beside the measured;
+  (e) full model vs LoRA (``trainer.lora``): bytes per version and the time to put one
+      version on every relay, per model shape (the tiny model; Qwen2.5-0.5B/1.5B shapes),
+      the full model against a rank-8 adapter on all seven projections (a version is the
+      adapter tensors alone).
 
     python benchmarks/weight_sync.py [--mb 1024] [--relays 1 2 4 8] [--transports nccl rdma]
                                      [--slot-mb 8] [--json FILE]
+                                     [--lora-shapes tiny 0.5b] [--lora-rank 8] [--only-lora]
 
 ``--json`` writes the same figures; the keys (per transport and relay count: ``bytes``,
 ``seconds``, ``fraction_of_link``, ``trainer_stall_seconds``) are kept stable for scripts.
@@ -128,10 +133,18 @@ def model(total: int, version: int) -> list[tuple[str, torch.Tensor]]:
 
 
 async def broadcast(
-    name: str, relays: int, total: int, chunks: int | None, stage: bool = True, slot_mb: float = 8.0
+    name: str,
+    relays: int,
+    total: int,
+    chunks: int | None,
+    stage: bool = True,
+    slot_mb: float = 8.0,
+    weights=None,
 ) -> dict:
     """Spawn ``relays`` relay processes, publish versions, measure the steady state;
-    ``chunks=None``: k*. ``stage``: the staged push (``relay.stage_push``, the default)."""
+    ``chunks=None``: k*. ``stage``: the staged push (``relay.stage_push``, the default).
+    ``weights(version)``: the named tensors of a version (default: ``model(total, v)``)."""
+    weights_of = weights or partial(model, total)
     factory = transport_factory(name, slot_mb)
     env = {"OMP_NUM_THREADS": "1", **UCX_ENV}
     hosts = [RelayProcess(i, i, i + 1, factory, env=env) for i in range(relays)]
@@ -146,14 +159,14 @@ async def broadcast(
     try:
         await tier.open()
         link = tier.link or await tier.calibrate()
-        nbytes = model_bytes(total)
+        nbytes = sum(t.numel() * t.element_size() for _, t in weights_of(0))
         loop = asyncio.get_running_loop()
         # Versions 1 and 2 are the cold start (links set up, the trainer's bucket ring and
         # the relays' two version buffers faulted in); versions 3-5 are the steady state of a
         # training run: the figures are their medians.
         runs = []
         for version in range(1, 6):
-            weights = model(total, version)
+            weights = weights_of(version)
             t0 = loop.time()
             res = await tier.publish(version, weights, model_bytes=nbytes)
             await tier.wait_broadcast()
@@ -183,6 +196,86 @@ async def broadcast(
             h.kill()
 
 
+# -- (e) full vs LoRA ----------------------------------------------------------------------------
+#: Qwen2-style shapes: hidden, intermediate, layers, heads, kv heads, vocab (tied embeddings).
+SHAPES = {
+    "0.5b": (896, 4864, 24, 14, 2, 151936),  # Qwen2.5-0.5B
+    "1.5b": (1536, 8960, 28, 12, 2, 151936),  # Qwen2.5-1.5B
+}
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def tiny_shape() -> tuple[int, ...]:
+    """The quickstart's tiny model, as ``laminar tiny-model`` builds it."""
+    import tempfile
+
+    from laminar_core.models import build_tiny_model
+
+    with tempfile.TemporaryDirectory() as d:
+        c = json.loads((build_tiny_model(Path(d) / "m", seed=0) / "config.json").read_text())
+    keys = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+    return (*(c[k] for k in keys), c["num_key_value_heads"], c["vocab_size"])
+
+
+def linear_shapes(shape: tuple[int, ...]) -> dict[str, tuple[int, int]]:
+    """``{projection: (out, in)}`` of one decoder layer."""
+    hidden, inter, _layers, heads, kv, _vocab = shape
+    kv_dim = hidden // heads * kv
+    return {
+        "q_proj": (hidden, hidden),
+        "k_proj": (kv_dim, hidden),
+        "v_proj": (kv_dim, hidden),
+        "o_proj": (hidden, hidden),
+        "gate_proj": (inter, hidden),
+        "up_proj": (inter, hidden),
+        "down_proj": (hidden, inter),
+    }
+
+
+def version_tensors(shape: tuple[int, ...], rank: int, version: int) -> list:
+    """A version in HF/PEFT naming, bf16: the full model (``rank`` 0) or the adapter."""
+    hidden, _inter, layers, _heads, _kv, vocab = shape
+    out = []
+    if not rank:
+        out.append(("model.embed_tokens.weight", (vocab, hidden)))
+    for i in range(layers):
+        stem = f"model.layers.{i}"
+        for name, (o, n) in linear_shapes(shape).items():
+            kind = "mlp" if name in PROJECTIONS[4:] else "self_attn"
+            mod = f"{stem}.{kind}.{name}"
+            if rank:
+                out.append((f"base_model.model.{mod}.lora_A.weight", (rank, n)))
+                out.append((f"base_model.model.{mod}.lora_B.weight", (o, rank)))
+            else:
+                out.append((f"{mod}.weight", (o, n)))
+        if not rank:
+            out += [(f"{stem}.input_layernorm.weight", (hidden,))]
+            out += [(f"{stem}.post_attention_layernorm.weight", (hidden,))]
+    if not rank:
+        out.append(("model.norm.weight", (hidden,)))
+    return [(n, torch.full(s, float(version), dtype=torch.bfloat16)) for n, s in out]
+
+
+def lora_vs_full(name: str, shapes: list[str], rank: int, relays: int) -> list[dict]:
+    rows = []
+    for label in shapes:
+        shape = tiny_shape() if label == "tiny" else SHAPES[label]
+        for r in (0, rank):
+            res = asyncio.run(
+                broadcast(name, relays, 0, None, weights=partial(version_tensors, shape, r))
+            )
+            rows.append(
+                {
+                    "model": label,
+                    "version": f"LoRA r={r}" if r else "full",
+                    "tensors": len(version_tensors(shape, r, 0)),
+                    **res,
+                }
+            )
+            say(f"  ... {label} {rows[-1]['version']}: {res['bytes']} B, {res['seconds']:.4f} s")
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--mb", type=float, default=1024, help="model size in MiB (default 1 GiB)")
@@ -191,9 +284,50 @@ def main() -> None:
     ap.add_argument("--pipeline-relays", type=int, default=4, help="relays for (d)")
     ap.add_argument("--slot-mb", type=float, default=8.0, help="relay.rdma.slot_mb for NIXL")
     ap.add_argument("--json", type=Path, help="write the figures here as JSON")
+    ap.add_argument(
+        "--lora-shapes", nargs="+", default=["tiny", "0.5b"], help="(e): tiny, 0.5b, 1.5b"
+    )
+    ap.add_argument("--lora-rank", type=int, default=8)
+    ap.add_argument("--only-lora", action="store_true", help="run (e) alone")
     args = ap.parse_args()
     total = int(args.mb * (1 << 20))
+    out: dict = {"model_bytes": total, "transports": {}}
+    if not args.only_lora:
+        run_a_to_d(args, total, out)
+    name = args.transports[0]
+    say(
+        f"\n(e) a version: full model vs LoRA rank {args.lora_rank} (all seven projections), "
+        f"bf16, {name}, 1 relay (steady state: median of versions 3-5)"
+    )
+    rows = lora_vs_full(name, args.lora_shapes, args.lora_rank, 1)
+    out["lora"] = rows
+    table_rows = []
+    for r in rows:
+        full = next(x for x in rows if x["model"] == r["model"] and x["version"] == "full")
+        table_rows.append(
+            [
+                r["model"],
+                r["version"],
+                str(r["tensors"]),
+                f"{r['bytes'] / 1e6:.3f}",
+                f"{full['bytes'] / r['bytes']:.0f}x",
+                f"{r['seconds']:.4f}",
+                f"{r['trainer_stall_seconds']:.4f}",
+                f"{full['seconds'] / r['seconds']:.1f}x",
+            ]
+        )
+    say(
+        table(
+            table_rows,
+            ["model", "version", "tensors", "MB", "fewer bytes", "sync s", "stall s", "faster"],
+        )
+    )
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=2))
+        say(f"\nwrote {args.json}")
 
+
+def run_a_to_d(args, total: int, out: dict) -> None:
     say(f"(a) raw loopback bandwidth ({os.cpu_count()} cores)")
     sock = socket_gbps(min(total, 2 * GiB))
     mem = memcpy_gbps()
@@ -203,11 +337,7 @@ def main() -> None:
             ["medium", "GB/s"],
         )
     )
-    out: dict = {
-        "model_bytes": total,
-        "link": {"socket_gbps": sock, "memcpy_gbps": mem},
-        "transports": {},
-    }
+    out["link"] = {"socket_gbps": sock, "memcpy_gbps": mem}
 
     rows, stall_rows = [], []
     for name in args.transports:
@@ -304,9 +434,6 @@ def main() -> None:
         )
     say(table(prow, ["mode", "k", "predicted s", "measured s"]))
     out["pipeline"] = {"transport": name, "relays": p, "rows": pipe}
-    if args.json:
-        args.json.write_text(json.dumps(out, indent=2))
-        say(f"\nwrote {args.json}")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""The ``laminar`` command: train, simulate, report, config show, plugins.
+"""The ``laminar`` command: train, simulate, report, export, config show, plugins.
 
 Every expected failure (bad config, bad data file, unknown engine) ends with one line on
 stderr that names the problem, and exit status 2.
@@ -315,6 +315,8 @@ def main(argv: list[str] | None = None) -> int:
             return _tiny_model(args)
         if args.cmd == "report":
             return _report(args)
+        if args.cmd == "export":
+            return _export(args)
     except (ConfigError, LengthFileError, UnknownPluginError, PluginResolveError, TrainError) as e:
         print(f"laminar: error: {e}", file=sys.stderr)
         return 2

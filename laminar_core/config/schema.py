@@ -134,9 +134,10 @@ class LoRAConfig:
     replicas load each version as an adapter (``docs/lora.md``).
     """
 
-    rank: int = 0
-    alpha: float = 16.0
-    dropout: float = 0.0
+    rank: int = 0  # adapter rank; 0: full fine-tuning (no adapters)
+    alpha: float = 16.0  # the adapter's output is scaled by alpha / rank
+    dropout: float = 0.0  # on the adapter's input, while training only
+    # module-name suffixes of the linear layers that get adapters (PEFT's matching)
     target_modules: list[str] = field(
         default_factory=lambda: [
             "q_proj",

@@ -67,6 +67,10 @@ class RolloutEngine(abc.ABC):
     """
 
     replica_id: str
+    #: True when the engine serves ``trainer.lora`` runs: every version ``update_weights``
+    #: receives is then a LoRA adapter (PEFT names, ``laminar_core.training.lora``) over the
+    #: unchanged base model; the config is refused otherwise.
+    hot_loads_lora: bool = False
 
     @abc.abstractmethod
     async def start(self) -> None:

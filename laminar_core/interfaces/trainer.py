@@ -69,6 +69,11 @@ class TrainerEngine(abc.ABC):
     5. ``await close()`` once.
     """
 
+    #: True when the engine trains ``trainer.lora`` adapters (only those in the optimiser)
+    #: and ``export_weights`` then yields the adapter tensors alone, under PEFT's names
+    #: (``laminar_core.training.lora``); the config is refused otherwise.
+    trains_lora: bool = False
+
     @abc.abstractmethod
     async def setup(self, ctx: TrainerContext) -> None:
         """Join the group (``ctx.rank`` of ``ctx.world_size``; ``ctx.options`` holds the

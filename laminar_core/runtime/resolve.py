@@ -234,7 +234,28 @@ def resolve(
         )
     check_values(cfg)
     validate(cfg, pm)
+    check_lora_engines(cfg, pm)
     return ResolvedConfig(cfg, options, source)
+
+
+def check_lora_engines(cfg: LaminarConfig, pm: PluginManager) -> None:
+    """With ``trainer.lora`` the trainer must train adapters (``TrainerEngine.trains_lora``)
+    and the rollout engine hot-load them (``RolloutEngine.hot_loads_lora``)."""
+    if cfg.trainer.lora.rank <= 0:
+        return
+    trainer = pm.get("trainer", cfg.trainer.engine)
+    if not getattr(trainer, "trains_lora", False):
+        raise ConfigError(
+            f"trainer.lora: trainer.engine={cfg.trainer.engine} cannot train LoRA adapters; "
+            "LoRA is supported with trainer fsdp only for now: set trainer.engine=fsdp, or "
+            "trainer.lora.rank=0 for full fine-tuning"
+        )
+    rollout = pm.get("rollout", cfg.rollout.engine)
+    if not getattr(rollout, "hot_loads_lora", False):
+        raise ConfigError(
+            f"trainer.lora: rollout.engine={cfg.rollout.engine} cannot hot-load LoRA adapters; "
+            "use rollout.engine=vllm, or trainer.lora.rank=0 for full fine-tuning"
+        )
 
 
 def load_config(

@@ -63,7 +63,7 @@ T = TypeVar("T")
 
 class FSDPTrainerEngine(ModelTrainerEngine):
     Options = FSDPOptions
-    supports_lora = True
+    trains_lora = True
 
     @classmethod
     def from_config(cls, ctx: BuildContext) -> FSDPTrainerEngine:

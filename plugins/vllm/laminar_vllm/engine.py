@@ -58,6 +58,7 @@ class VLLMRolloutEngine(RolloutEngine):
     ``own_process``: this process hosts only this engine (``BuildContext.own_process``)."""
 
     Options = VLLMOptions
+    hot_loads_lora = True  # trainer.lora: versions load as LoRARequests
 
     @classmethod
     def from_config(cls, ctx: BuildContext) -> VLLMRolloutEngine:
