@@ -102,7 +102,27 @@ def _parser() -> argparse.ArgumentParser:
         help="tool_calling: share of demonstrations that call the tool and copy its output "
         "(the rest guess); fewer than half and the tiny model learns no copying in 600 steps",
     )
+    exp = sub.add_parser(
+        "export",
+        help="a run's checkpoint as a PEFT adapter directory (LoRA) or a Hugging Face model",
+    )
+    exp.add_argument("run_dir", help="a run directory (its latest checkpoint) or a checkpoint")
+    exp.add_argument(
+        "--merge", action="store_true", help="LoRA: fold the adapter into the base model"
+    )
+    exp.add_argument("--out", help="where to write (default: RUN_DIR/export/step_N[-merged])")
     return p
+
+
+def _export(args: argparse.Namespace) -> int:
+    from laminar_core.runtime.export import export_checkpoint
+
+    try:
+        out = export_checkpoint(args.run_dir, args.out, merge=args.merge)
+    except (FileNotFoundError, ValueError) as e:
+        raise ConfigError(str(e)) from None
+    print(f"wrote {out}")
+    return 0
 
 
 def _tiny_model(args: argparse.Namespace) -> int:

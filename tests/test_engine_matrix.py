@@ -4,7 +4,12 @@ actor, rewards) for a few steps on the tiny model, per combination:
 * versions advance on every replica;
 * the rollout engine's log-probs match the trainer's recompute on trajectories of the
   trainer's current version (float32: < 1e-4);
-* and, for Megatron + SGLang, a run resumed from a checkpoint continues from its step.
+* and, for Megatron + SGLang and FSDP + vLLM with LoRA, a run resumed from a checkpoint
+  continues from its step.
+
+``fsdp+vllm+lora`` trains ``trainer.lora`` adapters: every version is an adapter the vLLM
+replicas hot-load, so the log-prob check is the adapter's agreement (a replica serving the
+wrong adapter version fails it: ``plugins/vllm/tests/test_vllm_lora.py``).
 
 FSDP + vLLM is ``tests/test_real_training.py`` (the quickstart itself, in more depth).
 """
@@ -40,7 +45,14 @@ COMBOS = {
     "fsdp+sglang": ["rollout.engine=sglang", "trainer.engine=fsdp"],
     "megatron+vllm": ["trainer.engine=megatron", "rollout.engine=vllm"],
     "megatron+sglang": [],  # the quickstart_megatron_sglang example as it ships
+    "fsdp+vllm+lora": [
+        "trainer.engine=fsdp",
+        "rollout.engine=vllm",
+        "trainer.lora.rank=8",
+        "trainer.fsdp.lr=2e-2",
+    ],
 }
+RESUMED = ("megatron+sglang", "fsdp+vllm+lora")
 TRAINER_OPTIONS = {  # the trainer's options when the example's engine is swapped
     "megatron": ["trainer.megatron.tp=2", "trainer.megatron.lr=3e-3"],
 }
@@ -113,7 +125,7 @@ def test_combination_trains_and_agrees_on_logprobs(combo, model, ray_cluster, tm
     # the matrix's figures (pytest -rP shows them): log-prob gap, steps/s after start-up
     print(f"{combo}: logprob gap max {max(gaps):.2e}, {len(rows) / wall:.2f} steps/s")
     assert max(gaps) < 1e-4, gaps
-    if combo == "megatron+sglang":  # a resumed run continues from the checkpoint's step
+    if combo in RESUMED:  # a resumed run continues from the checkpoint's step
         step2 = run_dir / "checkpoints" / "step_000002"
         resumed = _config(model, tmp_path, combo, f"run.resume={step2}")
         _, run_dir2 = asyncio.run(_train(resumed, STEPS + 1))

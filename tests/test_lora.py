@@ -56,7 +56,7 @@ def test_engines_that_cannot_train_or_hot_load_adapters_are_refused():
         load_config(None, ["trainer.lora.rank=8"])  # the simulated trainer
     with pytest.raises(ConfigError, match="LoRA is supported with trainer fsdp only for now"):
         load_config(None, [*REAL, "trainer.engine=megatron", "trainer.lora.rank=8"])
-    with pytest.raises(ConfigError, match="rollout.engine=sglang cannot hot-load LoRA"):
+    with pytest.raises(ConfigError, match=r"rollout\.engine=sglang cannot hot-load LoRA"):
         load_config(None, [*REAL, "rollout.engine=sglang", "trainer.lora.rank=8"])
     load_config(None, [*REAL, "trainer.lora.rank=8"])  # fsdp + vllm
 
@@ -113,7 +113,7 @@ def test_merge_and_peft_files_round_trip(tiny, tmp_path):
 
 
 def test_bad_targets_and_ranks_name_the_fix(tiny):
-    with pytest.raises(ValueError, match="'qproj' matches no linear layer.*q_proj"):
+    with pytest.raises(ValueError, match=r"'qproj' matches no linear layer.*q_proj"):
         apply_lora(_lm(tiny), LoRASpec(4, 8.0, 0.0, ("qproj",)))
     with pytest.raises(ValueError, match=r"rank=4096 is above the width.*use a rank <="):
         apply_lora(_lm(tiny), LoRASpec(4096, 8.0, 0.0, ("q_proj",)))

@@ -169,7 +169,9 @@ def adapter_tensors(model: nn.Module) -> list[tuple[str, Tensor]]:
     return [(peft_name(n), p) for n, p in model.named_parameters() if is_adapter(n)]
 
 
-def merge_into(base: Iterator[tuple[str, Tensor]] | Iterable, adapter: dict[str, Tensor], spec: LoRASpec):
+def merge_into(
+    base: Iterator[tuple[str, Tensor]] | Iterable, adapter: dict[str, Tensor], spec: LoRASpec
+):
     """Yield ``base``'s ``(name, tensor)`` with each adapted weight replaced by
     ``W + scaling * B @ A`` (``adapter`` keyed by PEFT names)."""
     for name, w in base:

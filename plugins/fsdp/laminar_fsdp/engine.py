@@ -81,7 +81,7 @@ class FSDPTrainerEngine(ModelTrainerEngine):
         self.model: PolicyModel | None = None
         self.lm: torch.nn.Module | None = None
         # trainer.lora: adapters on the targeted linear layers, the rest frozen (lora.py)
-        self.lora = LoRASpec.of(self.cfg.trainer.lora)
+        self.lora = LoRASpec.of(getattr(getattr(config, "trainer", None), "lora", None))
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="laminar-fsdp")
 
     async def run_blocking(self, fn: Callable[..., T], *args: Any) -> T:

@@ -45,7 +45,9 @@ def _rank(rank: int, world: int, port: int, model_dir: str, ckpt: str, out: dict
         eng = FSDPTrainerEngine(cfg, opts)
         init = {"init_method": f"tcp://127.0.0.1:{port}", "seed": 0}
         await eng.setup(TrainerContext(rank, world, eng.opt, cfg.algorithm, init))
-        base = {n: p.full_tensor().clone() for n, p in eng.lm.named_parameters() if ".lora_" not in n}
+        base = {
+            n: p.full_tensor().clone() for n, p in eng.lm.named_parameters() if ".lora_" not in n
+        }
         before = {n: t.clone() async for n, t in eng.export_weights()}
         batch = _batch(eng.model.config.vocab_size)
         metrics = await eng.train_step(batch)

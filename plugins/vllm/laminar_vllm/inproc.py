@@ -5,8 +5,9 @@ talks to it over ZMQ. A replica that already has a process to itself -- a Ray ac
 one engine -- then costs two processes, and each imports vLLM: on a small CPU machine that
 second import is most of a replica's start-up (~10-17 s of CPU here). ``InprocLLM`` keeps the
 same calls the engine makes on ``AsyncLLM`` (``generate`` streaming ``RequestOutput`` deltas,
-``abort``, ``collective_rpc``, ``reset_prefix_cache``, ``add_lora``/``remove_lora``, ``errored``/``dead_error``,
-``shutdown``) over vLLM's synchronous ``LLMEngine`` with its in-process core client.
+``abort``, ``collective_rpc``, ``reset_prefix_cache``, ``add_lora``/``remove_lora``,
+``errored``/``dead_error``, ``shutdown``) over vLLM's synchronous ``LLMEngine`` with its
+in-process core client.
 
 Contract: one background task steps the engine while it has requests; each ``step`` runs
 on one worker thread (the model's torch ops release the GIL, so the actor's event loop keeps
