@@ -1,0 +1,118 @@
+"""``laminar export``: a LoRA run's checkpoint as a PEFT adapter directory (PEFT's files and
+key names, the trained adapter's values) and, with ``--merge``, as a Hugging Face model that
+transformers loads and that computes what the base model plus the adapter computes."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+if importlib.util.find_spec("laminar_fsdp") is None:
+    if os.environ.get("LAMINAR_REQUIRE_REAL") == "1":
+        raise ImportError("the export test needs laminar-fsdp: run scripts/install.sh")
+    pytest.skip("laminar-fsdp not installed", allow_module_level=True)
+
+from laminar_core import TrainerContext, free_port, load_config
+from laminar_core.models import build_tiny_model
+from laminar_core.training import adapter_tensors, apply_lora, read_adapter
+
+LORA = [
+    "trainer.engine=fsdp",
+    "rollout.engine=vllm",
+    "cluster.gpus=2",
+    "cluster.trainer_gpus=1",
+    "model.dtype=float32",
+    "trainer.lora.rank=4",
+    "trainer.lora.target_modules=[q_proj,up_proj]",
+]
+
+
+def _trained_checkpoint(model: str, run_dir: str, out: dict) -> None:
+    """A run directory as a LoRA run leaves it: config.yaml and checkpoints/step_000001 with
+    the trainer's checkpoint of an adapter with non-zero values."""
+    from pathlib import Path
+
+    from laminar_core.loop.checkpoint import begin, checkpoint_dir, commit
+    from laminar_fsdp import FSDPOptions, FSDPTrainerEngine
+
+    torch.set_num_threads(1)
+    resolved = load_config(None, [f"model.path={model}", *LORA])
+    Path(run_dir, "config.yaml").write_text(resolved.to_yaml())
+
+    async def main() -> None:
+        eng = FSDPTrainerEngine(resolved.cfg, FSDPOptions(backend="gloo"))
+        init = {"init_method": f"tcp://127.0.0.1:{free_port()}", "seed": 0}
+        await eng.setup(TrainerContext(0, 1, eng.opt, resolved.cfg.algorithm, init))
+        g = torch.Generator().manual_seed(3)
+        with torch.no_grad():
+            for _, p in adapter_tensors(eng.lm):
+                p.to_local().copy_(torch.randn(p.to_local().shape, generator=g) * 0.1)
+        out["adapter"] = {n: t.clone() async for n, t in eng.export_weights()}
+        final = checkpoint_dir(Path(run_dir), 1)
+        tmp = begin(final)
+        await eng.save_checkpoint(str(tmp / "trainer"))
+        commit(tmp, final, {"step": 1})
+        await eng.close()
+
+    asyncio.run(main())
+
+
+def test_export_writes_a_peft_adapter_and_a_merged_model(tmp_path):
+    model = str(build_tiny_model(tmp_path / "m", seed=0))
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    ctx = mp.get_context("spawn")
+    out = ctx.Manager().dict()
+    p = ctx.Process(target=_trained_checkpoint, args=(model, str(run_dir), out))
+    p.start()
+    p.join(timeout=300)
+    assert p.exitcode == 0
+    trained = dict(out["adapter"])
+
+    def export(*args: str) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, "-m", "laminar_core.cli", "export", str(run_dir), *args]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+
+    res = export()
+    assert res.returncode == 0, res.stderr[-2000:]
+    adapter_dir = run_dir / "export" / "step_000001"
+    conf = json.loads((adapter_dir / "adapter_config.json").read_text())
+    assert conf["peft_type"] == "LORA" and conf["r"] == 4
+    assert sorted(conf["target_modules"]) == ["q_proj", "up_proj"]
+    spec, tensors = read_adapter(adapter_dir)
+    assert set(tensors) == set(trained)
+    assert "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight" in tensors
+    assert all(torch.equal(tensors[n], trained[n]) for n in trained)
+
+    res = export("--merge")
+    assert res.returncode == 0, res.stderr[-2000:]
+    from transformers import AutoModelForCausalLM
+
+    merged = AutoModelForCausalLM.from_pretrained(run_dir / "export" / "step_000001-merged")
+    reference = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    apply_lora(reference, spec)
+    reference.load_state_dict(
+        {n.removeprefix("base_model.model."): t for n, t in trained.items()}, strict=False
+    )
+    ids = torch.tensor([[3, 7, 11, 5, 9, 2]])
+    with torch.no_grad():
+        got, want = merged.eval()(ids).logits, reference.eval()(ids).logits
+        base = AutoModelForCausalLM.from_pretrained(model).eval()(ids).logits
+    assert torch.allclose(got, want, atol=1e-4)
+    assert not torch.allclose(got, base, atol=1e-3)  # the adapter is in it
+
+    bad = subprocess.run(  # a path without a checkpoint: one line, exit 2
+        [sys.executable, "-m", "laminar_core.cli", "export", str(tmp_path / "nowhere")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert bad.returncode == 2 and "no checkpoint there" in bad.stderr
