@@ -104,21 +104,24 @@ def _rank(rank: int, world: int, port: int, model_dir: str, ckpt: str, out: dict
     out[rank] = asyncio.run(main())
 
 
-def test_two_gloo_ranks_train_export_and_checkpoint(tiny_model, tmp_path):
+def run_ranks(target, world: int, *args) -> dict:
+    """``target(rank, world, port, *args, out)`` in ``world`` spawned processes; ``out``
+    (rank -> what the rank put there) once all exited cleanly."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     ctx = mp.get_context("spawn")
-    manager = ctx.Manager()
-    out = manager.dict()
+    out = ctx.Manager().dict()
     port = free_port()
-    procs = [
-        ctx.Process(target=_rank, args=(r, 2, port, tiny_model, str(tmp_path / "ckpt"), out))
-        for r in range(2)
-    ]
+    procs = [ctx.Process(target=target, args=(r, world, port, *args, out)) for r in range(world)]
     for p in procs:
         p.start()
     for p in procs:
         p.join(timeout=300)
     assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    return dict(out)
+
+
+def test_two_gloo_ranks_train_export_and_checkpoint(tiny_model, tmp_path):
+    out = run_ranks(_rank, 2, tiny_model, str(tmp_path / "ckpt"))
     r0, r1 = out[0], out[1]
     from safetensors import safe_open
 

@@ -7,14 +7,12 @@ optimiser state, no base weights) round-trips."""
 from __future__ import annotations
 
 import asyncio
-import os
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
-from test_fsdp_engine import _batch
+from test_fsdp_engine import _batch, run_ranks
 
-from laminar_core import TrainerContext, free_port, load_config
+from laminar_core import TrainerContext, load_config
 from laminar_fsdp import FSDPOptions, FSDPTrainerEngine
 
 LORA = [
@@ -74,16 +72,8 @@ def _rank(rank: int, world: int, port: int, model_dir: str, ckpt: str, out: dict
 
 
 def test_lora_trains_only_adapters_and_exports_them_alone(tiny_model, tmp_path):
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    ctx = mp.get_context("spawn")
-    out = ctx.Manager().dict()
-    port, ckpt = free_port(), str(tmp_path / "ckpt")
-    procs = [ctx.Process(target=_rank, args=(r, 2, port, tiny_model, ckpt, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=300)
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    ckpt = str(tmp_path / "ckpt")
+    out = run_ranks(_rank, 2, tiny_model, ckpt)
     r0, r1 = out[0], out[1]
     layers = 2  # the tiny model's decoder layers
     assert len(r0["names"]) == 2 * 3 * layers  # A and B of 3 targets per layer, nothing else
