@@ -248,6 +248,8 @@ def version_tensors(shape: tuple[int, ...], rank: int, version: int) -> list:
                 out.append((f"base_model.model.{mod}.lora_B.weight", (o, rank)))
             else:
                 out.append((f"{mod}.weight", (o, n)))
+                if name in ("q_proj", "k_proj", "v_proj"):  # Qwen2's attention biases
+                    out.append((f"{mod}.bias", (o,)))
         if not rank:
             out += [(f"{stem}.input_layernorm.weight", (hidden,))]
             out += [(f"{stem}.post_attention_layernorm.weight", (hidden,))]
