@@ -125,7 +125,8 @@ def apply_lora(model: nn.Module, spec: LoRASpec) -> list[str]:
     the model's), a rank above a targeted layer's width, a target that is the output head
     (the log-prob head reads its weight directly).
     """
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
     chosen = [
         (n, m)
         for n, m in model.named_modules()
