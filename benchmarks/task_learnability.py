@@ -41,6 +41,8 @@ def main() -> None:
     ap.add_argument("--max-count", type=int, default=48)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="write the per-step rows here")
+    ap.add_argument("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank")
+    ap.add_argument("--lora-alpha", type=float, default=16.0)
     args = ap.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(args.seed)
@@ -58,7 +60,14 @@ def main() -> None:
     )
     tok = AutoTokenizer.from_pretrained(tmp)
     model = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    if args.lora_rank:  # trainer.lora's adapters on all seven projections
+        from laminar_core.config.schema import LoRAConfig
+        from laminar_core.training import LoRASpec, apply_lora
+
+        targets = tuple(LoRAConfig().target_modules)
+        apply_lora(model, LoRASpec(args.lora_rank, args.lora_alpha, 0.0, targets))
+    trained = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trained, lr=args.lr, weight_decay=0.0)
     task = RepeatTask(
         seed=args.seed,
         letters=args.letters,

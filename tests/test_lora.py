@@ -117,3 +117,24 @@ def test_bad_targets_and_ranks_name_the_fix(tiny):
         apply_lora(_lm(tiny), LoRASpec(4, 8.0, 0.0, ("qproj",)))
     with pytest.raises(ValueError, match=r"rank=4096 is above the width.*use a rank <="):
         apply_lora(_lm(tiny), LoRASpec(4096, 8.0, 0.0, ("q_proj",)))
+
+
+def test_repeat_warmup_knows_the_format_not_the_count():
+    """The base model of examples/lora.yaml is warmed up on these: the prompt's letter only,
+    a share of them exact, the rest off by a factor in [0.5, 1.5]."""
+    import itertools
+    import re
+
+    from laminar_core.models.warmup import WARMUPS
+
+    demos = list(itertools.islice(WARMUPS["repeat"](0, 0.2), 400))
+    exact = 0
+    for d in demos:
+        letter, count = re.fullmatch(r"([a-z])\*(\d+)=", d.prompt).groups()
+        ((text, trained),) = d.segments
+        assert trained and set(text) == {letter}
+        assert 0.5 * int(count) - 1 <= len(text) <= 1.5 * int(count) + 1
+        exact += len(text) == int(count)
+    assert 0.15 < exact / len(demos) < 0.45  # 20% exact, plus near misses that round to it
+    with pytest.raises(ValueError, match="exact_share must be in"):
+        next(WARMUPS["repeat"](0, 1.5))

@@ -235,5 +235,5 @@ def test_warm_start_fits_the_format(tmp_path: Path) -> None:
 def test_cli_warmup_names_the_known_tasks(tmp_path: Path, capsys) -> None:
     assert main(["tiny-model", str(tmp_path / "m"), "--warmup", "nope"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == "laminar: error: tiny-model: unknown --warmup 'nope'; known: tool_calling"
+    assert err == "laminar: error: tiny-model: unknown --warmup 'nope'; known: repeat, tool_calling"
     assert not (tmp_path / "m").exists()  # refused before anything was written

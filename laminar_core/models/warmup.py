@@ -24,10 +24,32 @@ from typing import Any
 from laminar_core.tasks.tool_calling import Demonstration
 from laminar_core.tasks.tool_calling import demonstrations as tool_calling_demonstrations
 
+
+def repeat_demonstrations(seed: int, exact_share: float) -> Iterator[Demonstration]:
+    """Endless ``repeat`` demonstrations that know the format (the prompt's letter, then
+    end-of-sequence) but not the count: a share ``exact_share`` repeats it the asked number
+    of times, the rest a count off by a factor in [0.5, 1.5]. A base model for LoRA runs
+    (``examples/lora.yaml``): RL then has the counting to learn."""
+    from laminar_core.tasks.repeat import RepeatTask
+
+    if not 0.0 <= exact_share <= 1.0:
+        raise ValueError(f"exact_share must be in [0, 1] (got {exact_share})")
+    task = RepeatTask(seed=seed)
+    rng = random.Random(f"repeat-demonstrations-{seed}")  # never a task row's stream
+    while True:
+        row = task[rng.randrange(len(task))]
+        count = row["count"]
+        if rng.random() >= exact_share:
+            count = max(1, round(count * rng.uniform(0.5, 1.5)))
+        yield Demonstration(row["prompt"], ((row["letter"] * count, True),), False)
+
+
 #: Warm-ups by task name: ``(seed, share) -> demonstrations``; ``share`` is the task's
-#: knob (``tool_calling``: the share of demonstrations that call the tool).
+#: knob (``tool_calling``: the share of demonstrations that call the tool; ``repeat``: the
+#: share that repeat the letter exactly as often as asked).
 WARMUPS: dict[str, Callable[[int, float], Iterator[Demonstration]]] = {
     "tool_calling": tool_calling_demonstrations,
+    "repeat": repeat_demonstrations,
 }
 
 
