@@ -50,6 +50,9 @@ COMBOS = {
         "rollout.engine=vllm",
         "trainer.lora.rank=8",
         "trainer.fsdp.lr=2e-2",
+        # five real processes start at once on a shared 2-core machine (the vLLM import alone
+        # took minutes there at load 60-90): more than the default 300 s
+        "runtime.start_timeout_s=1200",
     ],
 }
 RESUMED = ("megatron+sglang", "fsdp+vllm+lora")
