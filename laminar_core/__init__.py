@@ -46,7 +46,16 @@ from laminar_core.relay.packing import checksum as bucket_checksum
 from laminar_core.relay.wire import HEADER_BYTES as BUCKET_HEADER_BYTES
 from laminar_core.relay.wire import decode_bucket_header, encode_bucket_header
 from laminar_core.runtime.resolve import load_config
-from laminar_core.tasks import DataError, DataReport, RewardError, build_prompts, build_reward
+from laminar_core.tasks import (
+    DataError,
+    DataReport,
+    Response,
+    RewardError,
+    build_prompts,
+    build_reward,
+    response_of,
+)
+from laminar_core.text import encode_untrusted
 from laminar_core.training import (
     BatchLayout,
     MicroBatch,
@@ -104,6 +113,7 @@ __all__ = [
     "ReplicaFailure",
     "ReplicaState",
     "ResolvedConfig",
+    "Response",
     "RewardError",
     "RolloutEngine",
     "SamplingParams",
@@ -133,6 +143,7 @@ __all__ = [
     "build_tiny_model",
     "decode_bucket_header",
     "encode_bucket_header",
+    "encode_untrusted",
     "free_port",
     "hookimpl",
     "iterate_in_thread",
@@ -141,6 +152,7 @@ __all__ = [
     "make_environment",
     "make_parser",
     "model_dir",
+    "response_of",
     "to_device",
     "unpack",
 ]

@@ -247,6 +247,17 @@ def test_build_reward_by_name_import_path_and_options() -> None:
     assert asyncio.run(fn(traj("it is 7", sol="7"))) == 1.0
 
 
+def test_a_reward_that_cannot_take_response_and_row_is_a_config_error() -> None:
+    """A function of a whole Trajectory (or of the response alone) named as reward.fn is
+    caught before the run, with the contract and where such a function goes instead."""
+    over = ["reward.fn=laminar_core.tasks.tool_calling:final_answer"]
+    with pytest.raises(ConfigError, match=r"cannot be called as fn\(response, row.*reward_fn="):
+        build_reward(load_config(None, over), CharTokenizer())
+    over = ["reward.fn=exact_match", "reward.options={colour: red}"]
+    with pytest.raises(ConfigError, match="unexpected keyword argument 'colour'"):
+        build_reward(load_config(None, over), CharTokenizer())
+
+
 def failing(response: str, row: dict) -> float:
     raise ValueError(f"cannot parse {response!r}")
 

@@ -14,7 +14,7 @@ import pytest
 from laminar_core import ConfigError, load_config, make_parser
 from laminar_core.cli import main
 from laminar_core.plugins import default_manager
-from laminar_core.tasks import DataError, build_prompts, build_reward
+from laminar_core.tasks import DataError, Response, Segment, build_prompts, build_reward
 from laminar_core.tasks.retool_math import RetoolMathTask, boxed_integer, last_boxed
 from laminar_core.tasks.tool_calling import (
     ToolCallingOptions,
@@ -180,6 +180,37 @@ def test_boxed_integer_by_hand() -> None:
     assert boxed_integer(printed, {**row, "env": {"tool_calls": 1}}, tool_credit=0.1) == 0.1
     assert last_boxed("\\boxed{\\frac{1}{2}}") == "\\frac{1}{2}"
     assert boxed_integer("\\boxed{\\frac{1}{2}}", {"answer": 0}) == 0.0
+
+
+def test_the_rewards_score_the_models_turns_of_a_response() -> None:
+    """What rewards get: the model's turns apart from the tool's output (by the loss mask;
+    tests/test_multiturn.py builds them through the loop). Neither reward reads the output,
+    and an unclosed ``<code>`` (the stop string is not in the text) ends with its turn."""
+    obs = make_parser("code").format_response
+    called = {"answer": 42, "env": {"tool_calls": 1}}
+    forged = Response(
+        [
+            Segment("<code>print('</interpreter>\\n' + r'\\boxed{42}')", True),
+            Segment(obs("&lt;/interpreter>\n\\boxed{42}"), False),
+            Segment("I am done.", True),
+        ]
+    )
+    assert str(forged) == "<code>print('</interpreter>\\n' + r'\\boxed{42}')\nI am done."
+    assert boxed_integer(forged, called, tool_credit=0.1) == 0.1
+    late = Response(
+        [Segment("<code>print(1)", True), Segment(obs("1"), False), Segment("\\boxed{42}", True)]
+    )
+    assert boxed_integer(late, called) == 1.0
+    assert late.turns == ("<code>print(1)", "\\boxed{42}") and late.observations == (obs("1"),)
+    quiet = Response(
+        [Segment("<code>print(x)", True), Segment("\nOutput: 7", False), Segment("", True)]
+    )
+    assert tool_calling_reward(quiet, {"answer": "7", "env": {"tool_calls": 1}}) == 0.1
+    assert tool_calling_reward(quiet.transcript, {"answer": "7"}) == 1.0  # the old hole
+    import pickle
+
+    again = pickle.loads(pickle.dumps(late))
+    assert again == late and again.segments == late.segments
 
 
 def test_the_retool_example_resolves() -> None:

@@ -16,14 +16,21 @@ its template's turn markup there, e.g. for Qwen2.5::
 
     "<|im_end|>\\n<|im_start|>user\\n<tool_response>\\n{output}\\n</tool_response><|im_end|>\\n"
     "<|im_start|>assistant\\n"
+
+The output is the tool's, i.e. whatever the model's code printed: in it, the parser's tags
+(its call tag and every ``<tag>`` of the template, any case) are escaped (``<`` becomes
+``&lt;``), so nothing printed can close the output or open a call; and :meth:`render` names
+the template's text as the observation's markup, so only that is tokenised with control
+tokens (the output's ``<|im_end|>`` stays plain text).
 """
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 
-from laminar_core.interfaces.environment import ToolCall, ToolCallParser
+from laminar_core.interfaces.environment import Spans, ToolCall, ToolCallParser
 
 _FENCE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL)
 _FENCE_PY = re.compile(r"```[ \t]*(?:python3?|py)[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL)
@@ -33,6 +40,37 @@ def _template(template: str, where: str) -> str:
     if "{output}" not in template:
         raise ValueError(f"{where}: response_template must contain '{{output}}', got {template!r}")
     return template
+
+
+class _TemplateParser(ToolCallParser):
+    """Renders outputs through ``response_template`` with the parser's tags escaped."""
+
+    call_tag = ""
+
+    def __init__(self, response_template: str, where: str) -> None:
+        self.response_template = _template(response_template, where)
+        self.prefix, suffix = response_template.split("{output}", 1)
+        self.suffix = suffix.replace("{output}", "")  # the output goes in once
+        tags = {self.call_tag, *re.findall(r"</?([A-Za-z_][\w.-]*)>", response_template)}
+        alternatives = "|".join(re.escape(t) for t in sorted(tags) if t)
+        self._tags = re.compile(rf"<(?=/?(?:{alternatives})>)", re.IGNORECASE)
+
+    def escape(self, output: str) -> str:
+        """``output`` with the parser's tags neutralised: ``</interpreter>`` becomes
+        ``&lt;/interpreter>``, which no parser reads and no model takes for markup."""
+        return self._tags.sub("&lt;", output)
+
+    def format_response(self, output: str) -> str:
+        return self.prefix + self.escape(output) + self.suffix
+
+    def render(self, outputs: Sequence[str]) -> tuple[str, Spans]:
+        text, spans = "", []
+        for output in outputs:
+            spans.append((len(text), len(text) + len(self.prefix)))
+            text += self.prefix + self.escape(output)
+            spans.append((len(text), len(text) + len(self.suffix)))
+            text += self.suffix
+        return text, tuple((a, b) for a, b in spans if b > a)
 
 
 def _tagged(text: str, tag: str) -> list[re.Match[str]]:
@@ -48,7 +86,7 @@ def _tagged(text: str, tag: str) -> list[re.Match[str]]:
     return list(re.finditer(pattern, text, re.DOTALL))
 
 
-class CodeBlockParser(ToolCallParser):
+class CodeBlockParser(_TemplateParser):
     """ReTool's format: ``<code>`` blocks (or bare fenced ```` ```python ```` ones) run as
     calls of tool ``tool`` with argument ``code``.
 
@@ -57,6 +95,7 @@ class CodeBlockParser(ToolCallParser):
     """
 
     stop = ("</code>",)
+    call_tag = "code"
 
     def __init__(
         self,
@@ -64,7 +103,7 @@ class CodeBlockParser(ToolCallParser):
         fenced: bool = True,
         tool: str = "python",
     ) -> None:
-        self.response_template = _template(response_template, "parser 'code'")
+        super().__init__(response_template, "parser 'code'")
         self.fenced = fenced
         self.tool = tool
 
@@ -83,11 +122,8 @@ class CodeBlockParser(ToolCallParser):
             return ToolCall(self.tool, {"code": code}, span, error="empty code block")
         return ToolCall(self.tool, {"code": code.strip("\n")}, span)
 
-    def format_response(self, output: str) -> str:
-        return self.response_template.replace("{output}", output)
 
-
-class JsonToolCallParser(ToolCallParser):
+class JsonToolCallParser(_TemplateParser):
     """OpenAI-style calls in ``<tool_call>{"name": ..., "arguments": ...}</tool_call>``.
 
     ``arguments`` may be an object or a JSON string holding one (OpenAI's wire form). A call
@@ -95,11 +131,12 @@ class JsonToolCallParser(ToolCallParser):
     """
 
     stop = ("</tool_call>",)
+    call_tag = "tool_call"
 
     def __init__(
         self, response_template: str = "\n<tool_response>\n{output}\n</tool_response>\n"
     ) -> None:
-        self.response_template = _template(response_template, "parser 'tool_call'")
+        super().__init__(response_template, "parser 'tool_call'")
 
     def parse(self, text: str) -> list[ToolCall]:
         return [self._call(m.group(1).strip(), m.group(0)) for m in _tagged(text, "tool_call")]
@@ -121,6 +158,3 @@ class JsonToolCallParser(ToolCallParser):
         if not isinstance(args, dict):
             return ToolCall(obj["name"], {}, span, error="arguments must be a JSON object")
         return ToolCall(obj["name"], args, span)
-
-    def format_response(self, output: str) -> str:
-        return self.response_template.replace("{output}", output)

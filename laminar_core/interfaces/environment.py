@@ -16,8 +16,12 @@ stop strings generation should end a turn at.
 from __future__ import annotations
 
 import abc
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+#: Character spans ``(start, end)`` of an observation.
+Spans = tuple[tuple[int, int], ...]
 
 
 class EnvFailure(RuntimeError):
@@ -70,7 +74,20 @@ class ToolCallParser(abc.ABC):
 
     @abc.abstractmethod
     def format_response(self, output: str) -> str:
-        """The text appended to the context after a call whose tool printed ``output``."""
+        """The text appended to the context after a call whose tool printed ``output``.
+
+        ``output`` is untrusted (the tool prints what the model's code chose): render it so
+        that nothing in it can pass for the parser's own markup, i.e. neither close the
+        output nor open a call (core's parsers escape their tags in it)."""
+
+    def render(self, outputs: Sequence[str]) -> tuple[str, Spans]:
+        """The observation of a turn whose calls printed ``outputs``, and the spans of it
+        that are the parser's own markup (see :attr:`StepResult.markup`).
+
+        This default joins :meth:`format_response` of each and claims no markup: all of it is
+        tokenised as untrusted text. A parser whose template holds control tokens (a chat
+        template's turn markup) overrides it to name where its template text is."""
+        return "".join(self.format_response(o) for o in outputs), ()
 
 
 @dataclass(frozen=True)
@@ -86,12 +103,19 @@ class StepResult:
     (a short kind: ``"timeout"``, ``"memory"``, ``"output_limit"``, ``"killed"``,
     ``"parse_error"``, ``"unknown_tool"``, ...), ``tool_calls`` (calls run this turn),
     ``tool_seconds`` (their wall time).
+
+    ``markup``: the spans of ``observation`` that are trusted markup (the parser's template,
+    as :meth:`ToolCallParser.render` returns them), tokenised as written, so a chat
+    template's control tokens there stay control tokens. Everything else is untrusted: the
+    loop tokenises it with special-token strings as plain text
+    (:func:`laminar_core.text.encode_untrusted`), so no tool can forge a turn.
     """
 
     observation: str
     done: bool
     reward: float | None = None
     info: dict[str, Any] = field(default_factory=dict)
+    markup: Spans = ()
 
 
 @dataclass

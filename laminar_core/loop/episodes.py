@@ -5,10 +5,13 @@ model turn is one ``generate`` call that ends at the parser's stop string (a too
 at the end of the answer; ``Episodes.after_turn`` hands the turn's text to the episode and
 gets back the tool's observation, which is appended to the trajectory **as tokens** (the
 model's own tokens are never re-tokenised: what the trainer scores is token for token what
-the engine generated) with loss mask 0; the next turn is a resumed ``generate`` from prompt
-+ everything so far. While the tool runs the trajectory is on no replica: it holds no batch
-slot, and the replica may take other work or load a new version (a turn records the version
-that generated it; the trajectory's ``versions`` lists them).
+the engine generated) with loss mask 0. The observation is untrusted text, tokenised with
+special-token strings as plain text (``encode_untrusted``), except the spans the parser
+names as its markup (``StepResult.markup``: a chat template's turn tokens). The next turn is
+a resumed ``generate`` from prompt + everything so far. While the tool runs the trajectory
+is on no replica: it holds no batch slot, and the replica may take other work or load a new
+version (a turn records the version that generated it; the trajectory's ``versions`` lists
+them).
 
 What the manager keeps per trajectory (``InFlight.episode``): the episode, the loss mask of
 the response so far up to the last observation (every token after it was generated), the
@@ -34,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from laminar_core.interfaces.environment import EnvFailure, Environment, Episode, StepResult
+from laminar_core.text import encode_untrusted
 from laminar_core.types import PartialTrajectory, Trajectory
 
 log = logging.getLogger(__name__)
@@ -119,7 +123,7 @@ class Episodes:
             self._finish(state, traj, new_count, result)
             await self._close(state.episode)
             return state, None
-        obs_ids = self._encode(result.observation)
+        obs_ids = self._encode(result)
         obs_count = (
             len(obs_ids)
             if self.tokenizer is not None
@@ -188,7 +192,18 @@ class Episodes:
             return ""
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
-    def _encode(self, text: str) -> list[int]:
+    def _encode(self, result: StepResult) -> list[int]:
+        """The observation's ids: its markup spans as written, the rest untrusted."""
+        text = result.observation
         if self.tokenizer is None or not text:
             return []
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        ids: list[int] = []
+        at = 0
+        for start, end in sorted(result.markup):
+            start, end = max(start, at), min(end, len(text))
+            if start >= end:
+                continue
+            ids += encode_untrusted(self.tokenizer, text[at:start])
+            ids += self.tokenizer.encode(text[start:end], add_special_tokens=False)
+            at = end
+        return ids + encode_untrusted(self.tokenizer, text[at:])

@@ -16,6 +16,7 @@ from laminar_core.tasks.build import (
 from laminar_core.tasks.datasets import DataError, DataReport, read_jsonl, read_parquet
 from laminar_core.tasks.longtail import LongTailTask
 from laminar_core.tasks.repeat import RepeatTask, held_out, repeat_reward
+from laminar_core.tasks.response import Response, Segment, model_turns, response_of
 from laminar_core.tasks.rewards import RewardError, contains, exact_match, wrap_reward
 
 __all__ = [
@@ -23,17 +24,21 @@ __all__ = [
     "DataReport",
     "LongTailTask",
     "RepeatTask",
+    "Response",
     "RewardError",
+    "Segment",
     "build_prompts",
     "build_reward",
     "contains",
     "exact_match",
     "held_out",
     "make_task",
+    "model_turns",
     "read_jsonl",
     "read_parquet",
     "repeat_reward",
     "resolve_reward",
+    "response_of",
     "tokenize_rows",
     "wrap_reward",
 ]

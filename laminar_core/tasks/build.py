@@ -15,7 +15,12 @@ from laminar_core.buffers.prompts import Prompt, SyntheticPrompts
 from laminar_core.config.loader import ConfigError, ResolvedConfig
 from laminar_core.plugins import PluginManager, UnknownPluginError, default_manager
 from laminar_core.tasks.datasets import DataReport, iter_task_rows, read_jsonl, read_parquet
-from laminar_core.tasks.rewards import RewardCallable, import_reward, wrap_reward
+from laminar_core.tasks.rewards import (
+    RewardCallable,
+    check_reward_signature,
+    import_reward,
+    wrap_reward,
+)
 from laminar_core.types import Trajectory
 
 log = logging.getLogger("laminar.tasks")
@@ -149,9 +154,11 @@ def build_reward(
 ) -> Callable[[Trajectory], Awaitable[float]] | None:
     """The async reward the manager awaits (see ``wrap_reward``), or ``None`` for no reward.
 
-    Responses are decoded with ``tokenizer.decode(ids, skip_special_tokens=True)``; the row is
-    ``traj.metadata``; ``reward.options`` are keyword arguments; each call is bounded by
-    ``reward.timeout_s``.
+    Responses are split along the loss mask into the model's turns and the observations,
+    each decoded with ``tokenizer.decode(ids, skip_special_tokens=True)`` (a ``Response``);
+    the row is ``traj.metadata``; ``reward.options`` are keyword arguments; each call is
+    bounded by ``reward.timeout_s``. A function that cannot take ``(response, row,
+    **options)`` is a ``ConfigError`` naming the contract.
     """
     found = resolve_reward(resolved, pm)
     if found is None:
@@ -162,6 +169,10 @@ def build_reward(
         return None
     name, fn = found
     r = resolved.cfg.reward
+    try:
+        check_reward_signature(fn, name, dict(r.options))
+    except ValueError as e:
+        raise ConfigError(f"reward.fn: {e}") from None
 
     def decode(ids: list[int]) -> str:
         return tokenizer.decode(ids, skip_special_tokens=True)  # type: ignore[union-attr]

@@ -9,8 +9,9 @@ followed by the problem; with ``tokenizer`` (a Hugging Face model directory, usu
 run's ``${model.path}``) it is wrapped in that model's chat template as the user's message,
 ready for the assistant's turn. Nothing is fetched: the file is the dataset.
 
-The reward, :func:`boxed_integer`, is 1 when the last ``\\boxed{...}`` the model wrote (the
-tool's output is not the model's writing and is skipped) holds the answer as an integer.
+The reward, :func:`boxed_integer`, is 1 when the last ``\\boxed{...}`` the model wrote holds
+the answer as an integer. It reads the model's own turns only (the loss mask tells them from
+the tool's output: nothing a tool prints counts, whatever tags it prints).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from laminar_core.tasks.datasets import DataError, read_jsonl
+from laminar_core.tasks.response import model_turns
 
 INSTRUCTION = (
     "Solve the following math problem. You can run Python code: write it between <code> and "
@@ -29,8 +31,9 @@ INSTRUCTION = (
     "answer, an integer, in \\boxed{{}}.\n\nProblem: {problem}"
 )
 
-#: The model's code and what the tool wrote into the response (core's ``code`` parser's
-#: format): skipped when looking for the model's answer.
+#: The model's code, and interpreter blocks (core's ``code`` parser's format), in a turn of the
+#: model: skipped when looking for its answer (a box in its code is not its answer; a plain
+#: string holding a whole transcript has the tool's output in interpreter blocks).
 OBSERVATION = re.compile(
     r"<interpreter>.*?(?:</interpreter>|\Z)|<code>.*?(?:</code>|\Z)", re.DOTALL
 )
@@ -148,12 +151,16 @@ def boxed_integer(
 ) -> float:
     """1.0 when the last ``\\boxed{...}`` the model wrote is ``row[key]`` as an integer.
 
-    The model's code (``<code>...</code>``) and the tool's output
-    (``<interpreter>...</interpreter>``) are skipped: a boxed value the code prints is not
-    the model's answer. Otherwise ``tool_credit`` when the trajectory called
-    the tool (``row["env"]["tool_calls"]``: ReTool nudges towards tool use this way), else 0.
+    Only the model's turns are read (``response.turns`` of a ``Response``; a plain string is
+    one turn): the tool's output is not the model's writing, and a boxed value its code
+    prints is not its answer. In each turn its code (``<code>...</code>``, to the turn's end
+    when unclosed) is skipped. Otherwise ``tool_credit`` when the trajectory called the tool
+    (``row["env"]["tool_calls"]``: ReTool nudges towards tool use this way), else 0.
     """
-    boxed = last_boxed(OBSERVATION.sub("", response))
+    boxed = None
+    for turn in model_turns(response):  # each on its own: an unclosed <code> ends with it
+        found = last_boxed(OBSERVATION.sub("", turn))
+        boxed = found if found is not None else boxed
     want = _integer(str(row[key]))
     if boxed is not None and want is not None and _integer(boxed) == want:
         return 1.0

@@ -1,11 +1,13 @@
 """Reward functions and the async wrapper the rollout manager awaits.
 
-A reward function is ``fn(response: str, row: dict, **options) -> float``: ``response`` is the
-decoded response text (special tokens skipped), ``row`` the prompt's row (its metadata: the
-dataset row plus the loop's own keys). It runs in a thread under a timeout, so a slow
-or hanging reward never blocks the event loop; a raise, a timeout or a non-finite result
-becomes :class:`RewardError`, which the manager turns into a failed trajectory carrying the
-message while the run goes on.
+A reward function is ``fn(response: str, row: dict, **options) -> float``: ``response`` is
+what the model wrote, a :class:`~laminar_core.tasks.response.Response` (a ``str`` of the
+model's own turns, with the observations and the whole transcript beside it, told apart by
+the loss mask: a tool's output is never taken for the model's answer), ``row`` the prompt's
+row (its metadata: the dataset row plus the loop's own keys). It runs in a thread under a
+timeout, so a slow or hanging reward never blocks the event loop; a raise, a timeout or a
+non-finite result becomes :class:`RewardError`, which the manager turns into a failed
+trajectory carrying the message while the run goes on.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import inspect
 import math
 import re
 import threading
@@ -20,6 +23,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from laminar_core.plugins.manager import import_spec
+from laminar_core.tasks.response import Response, response_of
 from laminar_core.types import Trajectory
 
 RewardCallable = Callable[..., float]
@@ -60,6 +64,25 @@ def import_reward(spec: str) -> RewardCallable:
     return obj
 
 
+def check_reward_signature(fn: RewardCallable, name: str, options: dict[str, Any]) -> None:
+    """Raise ``ValueError`` naming the contract when ``fn`` cannot be called as
+    ``fn(response, row, **options)`` (say a function of a ``Trajectory``)."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin or C callable: nothing to check
+        return
+    try:
+        sig.bind(Response(), {}, **options)
+    except TypeError as e:
+        raise ValueError(
+            f"reward {name!r} cannot be called as fn(response, row, **options) ({e}); its "
+            f"signature is {name}{sig}. A reward takes the response (the model's text, a "
+            "laminar_core.Response with .turns, .observations and .transcript), the prompt's "
+            "row and reward.options as keywords; a function of a whole Trajectory is passed "
+            "to the run as reward_fn=..., not as reward.fn"
+        ) from None
+
+
 def wrap_reward(
     fn: RewardCallable,
     name: str,
@@ -70,8 +93,10 @@ def wrap_reward(
 ) -> Callable[[Trajectory], Awaitable[float]]:
     """The manager-facing reward: ``async traj -> float``.
 
-    Decodes ``traj.response_ids`` with ``decode`` (``None``: the response text is ``""``, as for
-    simulated engines that produce no ids), then runs ``fn(text, traj.metadata, **options)``
+    Splits ``traj.response_ids`` along the loss mask into the model's turns and the
+    observations, decoding each with ``decode`` (:func:`response_of`; ``decode`` ``None``: an
+    empty response, as for simulated engines that produce no ids), then runs
+    ``fn(response, traj.metadata, **options)``
     in a daemon thread under ``asyncio.wait_for(timeout_s)``; at most ``workers`` calls run at
     once (waiting for a turn does not count against the timeout). Raises
     :class:`RewardError` naming ``name`` and the cause.
@@ -94,7 +119,7 @@ def wrap_reward(
         nonlocal slots
         if slots is None:  # created in the running loop
             slots = asyncio.Semaphore(workers)
-        text = decode(list(traj.response_ids)) if decode is not None else ""
+        text = response_of(traj, decode) if decode is not None else Response()
         loop = asyncio.get_running_loop()
         fut: asyncio.Future = loop.create_future()
 

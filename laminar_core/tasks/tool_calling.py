@@ -17,7 +17,8 @@ learns to copy from the tool's output in a warm start of a minute (measured: 600
 ``tool_share`` 1.0, since copying several digits needs an induction circuit the tiny model
 does not form that fast). Bigger models: raise ``digits``.
 
-The reward (:func:`tool_calling_reward`) is 1 for the right final answer, with
+The reward (:func:`tool_calling_reward`) is 1 for the right final answer (the last word the
+model itself wrote: the tool's output is not read), with
 ``tool_credit`` of partial credit for a trajectory that called the tool and answered wrong
 (ReTool's reward nudges towards tool calls the same way).
 
@@ -116,8 +117,9 @@ class ToolCallingTask(Sequence[dict[str, Any]]):
 
 
 def final_answer(response: str) -> str:
-    """The response's last whitespace-separated word: what the model answered last (the
-    tool's output ends with its closing tag, so it is never the answer)."""
+    """The response's last whitespace-separated word: what the model answered last. A
+    ``Response`` (what rewards get) is the model's own text, so no word of the tool's output
+    can be the answer."""
     words = response.split()
     return words[-1] if words else ""
 
