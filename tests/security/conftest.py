@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -58,16 +58,20 @@ class Sandbox:
     timeout_s = TIMEOUT_S
     options = OPTIONS
 
-    def __init__(self, isolation: str) -> None:
+    def __init__(self, isolation: str, **options: Any) -> None:
         self.loop = asyncio.new_event_loop()
         ctx = EnvContext(
             max_turns=100,
             timeout_s=GENEROUS_S,
             parser=make_parser("code"),
-            options=SandboxOptions(isolation=isolation, **OPTIONS),
+            options=SandboxOptions(isolation=isolation, **{**OPTIONS, **options}),
         )
         self.env = PythonSandboxEnv(ctx)
-        self.run(self.env.start())
+        try:
+            self.run(self.env.start())
+        except BaseException:
+            self.loop.close()
+            raise
         self.pool = self.env.executor
         self.uids = list(self.pool.uids())
         assert self.pool.isolation == isolation
@@ -104,14 +108,37 @@ class Sandbox:
         self.loop.close()
 
 
-@pytest.fixture(scope="module", params=["bwrap", "namespaces"])
-def sandbox(request: pytest.FixtureRequest) -> Iterator[Sandbox]:
-    reason = _missing(request.param)
+def require(isolation: str) -> None:
+    """Skip (or, under LAMINAR_REQUIRE_REAL=1, fail) where ``isolation`` cannot run here."""
+    reason = _missing(isolation)
     if reason is not None:
         if os.environ.get("LAMINAR_REQUIRE_REAL") == "1":
-            pytest.fail(f"sandbox isolation {request.param!r} unavailable: {reason}")
+            pytest.fail(f"sandbox isolation {isolation!r} unavailable: {reason}")
         pytest.skip(reason)
+
+
+@pytest.fixture(scope="module", params=["bwrap", "namespaces"])
+def sandbox(request: pytest.FixtureRequest) -> Iterator[Sandbox]:
+    require(request.param)
     box = Sandbox(request.param)
     yield box
     box.close()
     assert not box.leftovers(), f"processes left after close: {box.leftovers()}"
+
+
+@pytest.fixture(scope="module")
+def new_sandbox() -> Iterator[Callable[..., Sandbox]]:
+    """``new_sandbox(isolation, **options)``: another started environment, with options of
+    its own (skipped where ``isolation`` cannot run here); closed at the module's end."""
+    made: list[Sandbox] = []
+
+    def make(isolation: str, **options: Any) -> Sandbox:
+        require(isolation)
+        box = Sandbox(isolation, **options)
+        made.append(box)
+        return box
+
+    yield make
+    for box in made:
+        box.close()
+        assert not box.leftovers(), f"processes left after close: {box.leftovers()}"

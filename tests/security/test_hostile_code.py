@@ -193,10 +193,11 @@ while True:
 
 
 def test_a_20gb_allocation_fails_with_memory_error(sandbox: Sandbox) -> None:
+    """The address-space limit makes it a MemoryError in the code: the code's exception,
+    reported as one (a limit is named only when the pool saw it: see test_host_limits)."""
     r = sandbox.step("x = bytearray(20 * 1024**3)\nprint('allocated')")
-    assert r.info["error"] == "memory", r
-    assert "MemoryError" in r.observation and "memory limit exceeded" in r.observation
-    assert "allocated" not in r.observation
+    assert r.info["error"] == "exception", r
+    assert "MemoryError" in r.observation and "allocated" not in r.observation
     sandbox.assert_recovered()
 
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from laminar_core import EnvContext, Environment, Episode, StepResult
+from laminar_sandbox.cgroup import MODES as CGROUP_MODES
 from laminar_sandbox.isolation import ISOLATIONS
 from laminar_sandbox.pool import Limits, SandboxPool
 from laminar_sandbox.remote import SandboxFusionClient
@@ -42,7 +43,9 @@ class SandboxOptions:
     service at ``url``). ``isolation`` (local): ``auto`` | ``bwrap`` | ``namespaces`` |
     ``none`` (no namespaces: trusted code only). ``workers``: runs at once (warm local
     sandboxes, or requests in flight). The limits apply per run (see the README);
-    ``memory_mb`` is also sent to SandboxFusion. ``python``: the interpreter inside local
+    ``memory_mb`` is also sent to SandboxFusion. ``cgroup`` (local): ``auto`` (a cgroup v2
+    budget per sandbox where the host gives one), ``required`` (refuse without one), ``off``;
+    ``cpus``: its CPU budget in cores (0: none). ``python``: the interpreter inside local
     sandboxes (default: the one running Laminar); ``preload``: modules it imports while
     warming; ``ro_paths``: more host paths the code may read.
     """
@@ -55,6 +58,7 @@ class SandboxOptions:
     processes: int = 64
     file_size_mb: int = 16
     disk_mb: int = 64
+    files: int = 10_000
     open_files: int = 256
     output_bytes: int = 16384
     output_kill_bytes: int = 8 << 20
@@ -62,6 +66,8 @@ class SandboxOptions:
     preload: list[str] = field(default_factory=list)
     ro_paths: list[str] = field(default_factory=list)
     startup_timeout_s: float = 60.0
+    cgroup: str = "auto"
+    cpus: float = 0.0
     url: str = ""
     language: str = "python"
     retries: int = 3
@@ -77,6 +83,12 @@ class SandboxOptions:
             )
         if self.workers < 1:
             raise ValueError(f"workers must be >= 1, got {self.workers}")
+        if self.cgroup not in CGROUP_MODES:
+            raise ValueError(
+                f"cgroup must be one of {', '.join(CGROUP_MODES)}, got {self.cgroup!r}"
+            )
+        if self.cpus < 0:
+            raise ValueError(f"cpus must be >= 0 (0: no CPU budget), got {self.cpus}")
         if self.backend == "sandbox_fusion" and not self.url:
             raise ValueError("backend sandbox_fusion needs url (e.g. http://host:8080/run_code)")
         self.limits()  # checks every limit is a positive integer
@@ -192,8 +204,10 @@ class SandboxEpisode(Episode):
                     info["truncated"] = True
                 if result.status != "ok":
                     info["error"] = "exception" if result.status == "error" else result.status
-        observation = "".join(ctx.parser.format_response(o) for o in outputs)
-        return StepResult(observation, False, info=info)
+        # the outputs are untrusted: the parser escapes its tags in them and names its own
+        # markup, so the loop tokenises only that with control tokens
+        observation, markup = ctx.parser.render(outputs)
+        return StepResult(observation, False, info=info, markup=markup)
 
     async def close(self) -> None:
         self.finished = True
@@ -234,6 +248,8 @@ class PythonSandboxEnv(Environment):
             preload=o.preload,
             ro_paths=o.ro_paths,
             startup_timeout_s=o.startup_timeout_s,
+            cgroup=o.cgroup,
+            cpus=o.cpus,
         )
 
     def tool_specs(self) -> list[dict[str, Any]]:

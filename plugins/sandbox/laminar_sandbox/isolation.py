@@ -15,10 +15,16 @@ per-sandbox uid); under another uid the pool refuses.
 
 The filesystem view: ``/usr`` and the other system library directories (or their
 merged-``/usr`` symlinks), the interpreter's installation (``sys.prefix`` and
-``sys.base_prefix``) and any ``ro_paths``, all read-only; ``/dev`` with ``null``, ``zero``,
-``full``, ``random`` and ``urandom``; a fresh ``/proc``; a private tmpfs ``/tmp`` (the working
-directory, ``disk_mb`` in size) and ``/dev/shm``. Nothing else of the host: not ``/home``,
-``/root``, ``/etc``, the run directory or its checkpoints.
+``sys.base_prefix``, wherever they are: a venv under ``/tmp`` is bound over the private
+``/tmp``, and symlinks on the way to them are recreated) and any ``ro_paths``, all
+read-only; ``/dev`` with ``null``, ``zero``, ``full``, ``random`` and ``urandom``; a private
+tmpfs ``/tmp`` (the working directory, ``disk_mb`` in size, at most ``files`` inodes) and
+``/dev/shm`` (the same); and ``/proc``, which the runner mounts itself (``hidepid``: the code
+sees its own processes only; ``subset=pid``: none of the host's ``/proc`` files). Nothing
+else of the host: not ``/home``, ``/root``, ``/etc``, the run directory or its checkpoints.
+
+The sandbox's configuration reaches the runner on a pipe, never on a command line (which
+``/proc`` would show): its argv holds the pipe's file descriptor only.
 """
 
 from __future__ import annotations
@@ -68,10 +74,10 @@ class Layout:
                     dev_done = True
             elif kind == "symlink":
                 args += ["--symlink", op[1], op[2]]
-            elif kind == "tmpfs":
+            elif kind == "tmpfs":  # the runner remounts it with nr_inodes (bwrap has no option)
                 args += ["--perms", f"{op[3]:o}", "--size", str(op[2]), "--tmpfs", op[1]]
-            elif kind == "proc":
-                args += ["--proc", op[1]]
+            elif kind == "proc":  # the runner mounts it (hidepid, subset=pid)
+                args += ["--perms", "555", "--dir", op[1]]
             elif kind == "dir":
                 args += ["--perms", "755", "--dir", op[1]]
         return args
@@ -81,11 +87,17 @@ def _covered(path: str, roots: list[str]) -> bool:
     return any(path == r or path.startswith(r.rstrip("/") + "/") for r in roots)
 
 
-def filesystem_view(python_dirs: list[str], ro_paths: list[str], disk_bytes: int) -> Layout:
-    """The ops for the view described in the module docstring."""
+def filesystem_view(
+    python_dirs: list[str], ro_paths: list[str], disk_bytes: int, inodes: int = 0
+) -> Layout:
+    """The ops for the view described in the module docstring. ``python_dirs``: the
+    interpreter's installation (its prefixes and its executable's directory), as the host
+    names them (symlinks on the way are recreated inside); ``inodes``: ``nr_inodes`` of each
+    tmpfs (0: the kernel's default)."""
     ops: list[list] = []
     bound: list[str] = []
-    made: set[str] = set()
+    private = ["/tmp", "/dev/shm"]  # tmpfs mounts: never re-made by a "dir" op
+    made: set[str] = set(private)
 
     def parents(path: str) -> None:
         # directories leading to a bind, readable by the sandbox's uid (bwrap would make
@@ -97,9 +109,34 @@ def filesystem_view(python_dirs: list[str], ro_paths: list[str], disk_bytes: int
         made.add(parent)
         ops.append(["dir", parent])
 
+    def reach(path: str) -> None:
+        """Bind ``path`` read-only, recreating the symlinks that lead to it."""
+        current = "/"
+        parts = [p for p in os.path.normpath(path).split("/") if p]
+        for i, part in enumerate(parts):
+            step = os.path.join(current, part)
+            if _covered(step, bound):
+                return  # inside a bound directory: its symlinks come with it
+            if os.path.islink(step):
+                target = os.readlink(step)
+                if step not in made:
+                    parents(step)
+                    made.add(step)
+                    ops.append(["symlink", target, step])
+                rest = os.path.join(os.path.realpath(step), *parts[i + 1 :])
+                return reach(rest)
+            current = step
+        real = os.path.realpath(path)
+        if not os.path.exists(real):
+            raise IsolationUnavailable(f"sandbox ro_paths: {path} does not exist on this host")
+        parents(real)
+        ops.append(["ro", real, real])
+        bound.append(real)
+
     for d in SYSTEM_DIRS:
         if os.path.islink(d):
             ops.append(["symlink", os.readlink(d), d])
+            made.add(d)
         elif os.path.isdir(d):
             ops.append(["ro", d, d])
             bound.append(d)
@@ -107,31 +144,24 @@ def filesystem_view(python_dirs: list[str], ro_paths: list[str], disk_bytes: int
         if os.path.isfile(f):
             parents(f)
             ops.append(["ro", f, f])
-    for p in [*python_dirs, *ro_paths]:
-        real = os.path.realpath(p)
-        if not os.path.exists(real):
-            raise IsolationUnavailable(f"sandbox ro_paths: {p} does not exist on this host")
-        if not _covered(real, bound):
-            parents(real)
-            ops.append(["ro", real, real])
-            bound.append(real)
     ops += [["dev", d] for d in DEVICES]
-    ops += [
-        ["tmpfs", "/dev/shm", disk_bytes, 0o1777],
-        ["proc", "/proc"],
-        ["tmpfs", "/tmp", disk_bytes, 0o1777],
-    ]
+    # the private tmpfs mounts before the binds: an interpreter under /tmp is bound on top
+    ops += [["tmpfs", d, disk_bytes, 0o1777, inodes] for d in private]
+    for p in [*python_dirs, *ro_paths]:
+        reach(os.path.abspath(p))
+    ops.append(["proc", "/proc"])
     return Layout(ops)
 
 
-def command(isolation: str, python: str, runner_source: str, config: str) -> list[str]:
-    """The argv that starts one sandbox's runner under ``isolation``."""
-    inner = [python, "-I", "-c", runner_source, config]
+def command(isolation: str, python: str, runner_source: str, config_fd: int) -> list[str]:
+    """The argv that starts one sandbox's runner under ``isolation``; it reads its config
+    from the pipe ``config_fd``."""
+    inner = [python, "-I", "-c", runner_source, str(config_fd)]
     if isolation == "none":
         return inner
     if isolation == "namespaces":
         return [
-            *("unshare", "--net", "--pid", "--mount", "--ipc", "--uts"),
+            *("unshare", "--net", "--pid", "--mount", "--ipc", "--uts", "--cgroup"),
             *("--fork", "--kill-child", "--propagation", "private", "--"),
             *inner,
         ]
@@ -140,7 +170,8 @@ def command(isolation: str, python: str, runner_source: str, config: str) -> lis
     raise ValueError(f"unknown isolation {isolation!r}")
 
 
-def bwrap_command(layout: Layout, python: str, runner_source: str, config: str) -> list[str]:
+def bwrap_command(layout: Layout, python: str, runner_source: str, config_fd: int) -> list[str]:
+    """The argv that starts one sandbox's runner under bwrap (config on ``config_fd``)."""
     return [
         "bwrap",
         *("--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts"),
@@ -148,7 +179,7 @@ def bwrap_command(layout: Layout, python: str, runner_source: str, config: str) 
         *("--die-with-parent", "--new-session"),
         *layout.bwrap_args(),
         *("--remount-ro", "/", "--chdir", "/tmp"),
-        *(python, "-I", "-c", runner_source, config),
+        *(python, "-I", "-c", runner_source, str(config_fd)),
     ]
 
 

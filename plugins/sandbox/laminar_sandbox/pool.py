@@ -8,6 +8,12 @@ and with it its pid namespace, so everything the code started dies too. Then the
 that no process of its uid survived (killing and counting any that did: ``stats
 ["strays_killed"]``), and warms the next sandbox in the background. Nothing is reused
 between runs: no file, process or module state carries over.
+
+Each slot's sandboxes live in the slot's cgroup v2 leaf where the host gives one
+(``cgroup.py``: memory, processes and CPU as one budget), and run under the seccomp
+allow-list (``seccomp.py``). What a run hit is decided from what the pool observed -- its own
+clock and output count, the cgroup's OOM kills, the code's CPU time from ``wait4`` -- never
+from an exit status the code could choose.
 """
 
 from __future__ import annotations
@@ -22,18 +28,23 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from laminar_core import EnvFailure
+from laminar_core import EnvFailure, EnvUnavailable
 from laminar_sandbox import isolation as iso
+from laminar_sandbox import seccomp
+from laminar_sandbox.cgroup import SandboxCgroups
 from laminar_sandbox.result import CodeExecutor, RunResult, signal_name
 
 log = logging.getLogger("laminar.sandbox")
 
 _RUNNER = Path(__file__).with_name("runner.py").read_text()
-# the runner's conventions (kept in sync with runner.py, which must stay stdlib-only)
-EXIT_MEMORY, EXIT_SETUP = 120, 121
+# the runner's convention (kept in sync with runner.py, which must stay stdlib-only)
+EXIT_SETUP = 121
+#: CPU time within this of the limit, with the signal of the limit, is the limit
+CPU_SLACK_S = 0.1
 
 _SANDBOX_ENV = {
     "PATH": "/usr/local/bin:/usr/bin:/bin",
@@ -52,11 +63,12 @@ _SANDBOX_ENV = {
 class Limits:
     """Per-run limits of a local sandbox (see the README for what each one bounds)."""
 
-    memory_mb: int = 1024  # RLIMIT_AS of each of the code's processes
+    memory_mb: int = 1024  # RLIMIT_AS of each process; the cgroup's memory.max when there is one
     cpu_s: int = 30  # RLIMIT_CPU of each process (the wall clock is the run's timeout_s)
-    processes: int = 64  # RLIMIT_NPROC of the sandbox's uid (threads count)
+    processes: int = 64  # RLIMIT_NPROC of the sandbox's uid (threads count); and pids.max
     file_size_mb: int = 16  # RLIMIT_FSIZE: largest file the code may write
-    disk_mb: int = 64  # size of the private /tmp (and of /dev/shm)
+    disk_mb: int = 64  # size of the private /tmp (and of /dev/shm, and of System V shm)
+    files: int = 10_000  # inodes of the private /tmp (and of /dev/shm): files and directories
     open_files: int = 256  # RLIMIT_NOFILE
     output_bytes: int = 16384  # kept of stdout (its head) and of stderr (its tail)
     output_kill_bytes: int = 8 << 20  # printing more than this in all kills the run
@@ -69,6 +81,10 @@ class Limits:
 
 class _SpawnFailed(Exception):
     """A sandbox did not come up (the message is its one-line reason)."""
+
+
+class _PreloadFailed(_SpawnFailed):
+    """A ``preload`` module could not be imported inside the sandbox."""
 
 
 class _Capture:
@@ -97,10 +113,13 @@ class _Worker:
     proc: asyncio.subprocess.Process
     status: asyncio.StreamReader
     status_transport: asyncio.BaseTransport
+    cgroup_kill: Callable[[], None] | None = None
 
     def kill(self) -> None:
         if self.proc.returncode is None:  # not reaped yet: the pid is still this process's
             iso.kill_tree(self.proc.pid)
+        if self.cgroup_kill is not None:
+            self.cgroup_kill()
 
     async def wait(self, timeout_s: float = 10.0) -> None:
         """Wait for the sandbox to end. ``Process.wait`` returns once the process exited
@@ -133,7 +152,9 @@ class SandboxPool(CodeExecutor):
     ``isolation``: ``auto`` | ``bwrap`` | ``namespaces`` | ``none`` (see ``isolation.py``);
     ``start`` refuses with ``IsolationUnavailable`` when it cannot be had. ``python``: the
     interpreter inside the sandbox (default: this one); its installation is made visible
-    read-only, as are ``ro_paths``. ``preload``: modules imported while warming.
+    read-only, as are ``ro_paths``. ``preload``: modules imported while warming (one that
+    cannot be imported there is an ``EnvUnavailable`` naming it). ``cgroup``: ``auto`` |
+    ``required`` | ``off``, and ``cpus`` (cores, 0: no CPU budget): see ``cgroup.py``.
     """
 
     def __init__(
@@ -145,6 +166,8 @@ class SandboxPool(CodeExecutor):
         preload: tuple[str, ...] | list[str] = (),
         ro_paths: tuple[str, ...] | list[str] = (),
         startup_timeout_s: float = 60.0,
+        cgroup: str = "auto",
+        cpus: float = 0.0,
     ) -> None:
         if isolation not in iso.ISOLATIONS:
             raise ValueError(
@@ -169,6 +192,10 @@ class SandboxPool(CodeExecutor):
         self._host_pidns = os.readlink("/proc/self/ns/pid")
         self._tools: dict[str, str] = {}
         self._closed = False
+        self.cgroups = SandboxCgroups(
+            cgroup, self.limits.memory_mb << 20, self.limits.processes, cpus
+        )
+        self._seccomp = (seccomp.program(os.uname().machine) or b"").hex()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -181,7 +208,10 @@ class SandboxPool(CodeExecutor):
         for tool in ("bwrap", "unshare", "setpriv"):
             self._tools[tool] = shutil.which(tool) or tool
         dirs = await self._python_dirs()
-        self._layout = iso.filesystem_view(dirs, self.ro_paths, self.limits.disk_mb << 20)
+        self._layout = iso.filesystem_view(
+            dirs, self.ro_paths, self.limits.disk_mb << 20, self.limits.files
+        )
+        self.cgroups.setup(self.workers)
         if os.geteuid() == 0:
             self._lease = iso.UidLease(self.workers)
         uids = self._lease.uids if self._lease else [None] * self.workers
@@ -196,6 +226,12 @@ class SandboxPool(CodeExecutor):
             try:
                 first = await self._spawn(self._slots[0])
                 break
+            except _PreloadFailed as e:  # not the isolation's doing: say what it is
+                await self.close()
+                raise EnvUnavailable(
+                    f"python_sandbox: {e}; fix: install it into the sandbox's interpreter "
+                    f"({self.python}: env.options.python), or drop it from env.options.preload"
+                ) from None
             except _SpawnFailed as e:
                 reasons.append(f"{mech}: {e}")
         if first is None:
@@ -234,6 +270,7 @@ class SandboxPool(CodeExecutor):
                 slot.warm = None
         for slot in self._slots:
             await self._sweep(slot)
+        self.cgroups.close()
         if self._lease is not None:
             self._lease.release()
             self._lease = None
@@ -322,6 +359,7 @@ class SandboxPool(CodeExecutor):
                 if events and events[-1].get("event") == "exit":
                     return
 
+        oom_before = self.cgroups.oom_kills(slot.index)
         started = time.monotonic()
         timed_out = False
         try:
@@ -350,7 +388,10 @@ class SandboxPool(CodeExecutor):
             raise
         self.stats["runs"] += 1
         self.stats["timeouts"] += timed_out
-        return self._classify(events, out, err, wall, timed_out, over.is_set(), timeout_s)
+        oom_kills = self.cgroups.oom_kills(slot.index) - oom_before
+        return self._classify(
+            events, out, err, wall, timed_out, over.is_set(), timeout_s, oom_kills
+        )
 
     def _classify(
         self,
@@ -361,7 +402,13 @@ class SandboxPool(CodeExecutor):
         timed_out: bool,
         over: bool,
         timeout_s: float,
+        oom_kills: int = 0,
     ) -> RunResult:
+        """The run's outcome from what the pool observed: its clock (timeout), its count of
+        the output (output limit), the cgroup's OOM kills (memory), the runner's report of
+        how the code's process ended and its CPU time from ``wait4`` (CPU time: the limit's
+        signal *and* the time used). An exit status is the code's to choose: it is only
+        ever reported as one."""
         lim = self.limits
         started = any(e.get("event") == "started" for e in events)
         exit_ev = next((e for e in events if e.get("event") == "exit"), None)
@@ -385,12 +432,19 @@ class SandboxPool(CodeExecutor):
         elif timed_out:
             r.status = "timeout"
             r.message = f"timed out after {timeout_s:g} s (wall-clock limit); the run was killed"
+        elif oom_kills > 0:
+            r.status = "memory"
+            r.message = (
+                f"memory limit exceeded: the sandbox reached its {lim.memory_mb} MB budget "
+                f"and the kernel killed {oom_kills} of its processes"
+            )
         elif exit_ev is None:
             r.status = "killed"
             r.message = "the sandbox was killed before the code finished (SIGKILL from outside)"
         elif r.signal is not None:
-            cpu_hit = r.signal == signal.SIGXCPU or (
-                r.signal == signal.SIGKILL and (r.cpu_s or 0) >= lim.cpu_s
+            cpu_hit = (
+                r.signal in (signal.SIGXCPU, signal.SIGKILL)
+                and (r.cpu_s or 0) >= lim.cpu_s - CPU_SLACK_S
             )
             r.status = "cpu_time" if cpu_hit else "killed"
             r.message = (
@@ -402,9 +456,6 @@ class SandboxPool(CodeExecutor):
             raise EnvFailure(
                 f"python_sandbox: the sandbox could not be set up: {r.stderr.strip()[-500:]}"
             )
-        elif r.exit_code == EXIT_MEMORY:
-            r.status = "memory"
-            r.message = f"memory limit exceeded ({lim.memory_mb} MB of address space)"
         elif r.exit_code != 0:
             r.status = "error"
         return r
@@ -412,6 +463,9 @@ class SandboxPool(CodeExecutor):
     # ------------------------------------------------------------------ sandboxes
 
     async def _python_dirs(self) -> list[str]:
+        """The interpreter's installation as the host names it: its prefixes (venv and
+        base) and its executable's directory, symlinks unresolved (the sandbox recreates
+        them)."""
         probe = "import json, sys; print(json.dumps([sys.prefix, sys.base_prefix]))"
         proc = await asyncio.create_subprocess_exec(
             self.python, "-I", "-c", probe, stdout=asyncio.subprocess.PIPE
@@ -419,10 +473,11 @@ class SandboxPool(CodeExecutor):
         stdout, _ = await proc.communicate()
         if proc.returncode != 0:
             raise iso.IsolationUnavailable(f"sandbox python {self.python!r} does not run")
-        dirs = json.loads(stdout)
-        return sorted({os.path.realpath(d) for d in dirs})
+        dirs = [*json.loads(stdout), os.path.dirname(os.path.abspath(self.python))]
+        return list(dict.fromkeys(dirs))
 
-    def _command(self, slot: _Slot, status_fd: int) -> list[str]:
+    def _command(self, slot: _Slot, status_fd: int, config_fd: int) -> tuple[list[str], bytes]:
+        """The sandbox's argv and its config (for the pipe ``config_fd``)."""
         cfg = {
             "status_fd": status_fd,
             "mode": self.isolation,
@@ -433,6 +488,8 @@ class SandboxPool(CodeExecutor):
             "gid": slot.uid,
             "workdir": "/tmp" if self.isolation != "none" else self._root_dir,
             "preload": self.preload,
+            "seccomp": self._seccomp,
+            "ipc_shm_bytes": self.limits.disk_mb << 20,
             "limits": {
                 "memory_bytes": self.limits.memory_mb << 20,
                 "cpu_s": self.limits.cpu_s,
@@ -441,28 +498,40 @@ class SandboxPool(CodeExecutor):
                 "open_files": self.limits.open_files,
             },
         }
-        config = json.dumps(cfg)
+        config = json.dumps(cfg).encode()
         if self.isolation == "bwrap":
             # bwrap --die-with-parent: the sandbox dies with this process
-            cmd = iso.bwrap_command(self._layout, self.python, _RUNNER, config)
-            return [self._tools["bwrap"], *cmd[1:]]
-        cmd = iso.command(self.isolation, self.python, _RUNNER, config)
-        if cmd[0] == "unshare":
-            cmd[0] = self._tools["unshare"]
-        # setpriv --pdeathsig: the outer process dies with this process (and, through
-        # unshare --kill-child, the sandbox's pid namespace with it)
-        return [self._tools["setpriv"], "--pdeathsig", "KILL", "--", *cmd]
+            cmd = iso.bwrap_command(self._layout, self.python, _RUNNER, config_fd)
+            cmd = [self._tools["bwrap"], *cmd[1:]]
+        else:
+            cmd = iso.command(self.isolation, self.python, _RUNNER, config_fd)
+            if cmd[0] == "unshare":
+                cmd[0] = self._tools["unshare"]
+            # setpriv --pdeathsig: the outer process dies with this process (and, through
+            # unshare --kill-child, the sandbox's pid namespace with it)
+            cmd = [self._tools["setpriv"], "--pdeathsig", "KILL", "--", *cmd]
+        return self.cgroups.wrap(slot.index, cmd), config
 
     async def _spawn(self, slot: _Slot) -> _Worker:
         loop = asyncio.get_running_loop()
         read_fd, write_fd = os.pipe()
+        config_read, config_write = os.pipe()
+        try:  # the config goes on a pipe, never on a command line (/proc shows those)
+            command, config = self._command(slot, write_fd, config_read)
+            _fill_pipe(config_write, config)
+        except BaseException:
+            for fd in (read_fd, write_fd, config_read):
+                os.close(fd)
+            raise
+        finally:
+            os.close(config_write)
         create = asyncio.ensure_future(
             asyncio.create_subprocess_exec(
-                *self._command(slot, write_fd),
+                *command,
                 stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE,
-                pass_fds=(write_fd,),
+                pass_fds=(write_fd, config_read),
                 env=dict(_SANDBOX_ENV),
                 start_new_session=True,
                 cwd="/",
@@ -484,11 +553,12 @@ class SandboxPool(CodeExecutor):
             raise _SpawnFailed(f"cannot execute ({e})") from None
         finally:
             os.close(write_fd)
+            os.close(config_read)
         reader = asyncio.StreamReader()
         transport, _ = await loop.connect_read_pipe(
             lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(read_fd, "rb", buffering=0)
         )
-        worker = _Worker(proc, reader, transport)
+        worker = _Worker(proc, reader, transport, lambda: self.cgroups.kill(slot.index))
         try:
             line = await asyncio.wait_for(reader.readline(), self.startup_timeout_s)
         except asyncio.TimeoutError:
@@ -497,11 +567,22 @@ class SandboxPool(CodeExecutor):
         except BaseException:
             await worker.discard()
             raise
-        if not line:
+        event: dict = {}
+        with contextlib.suppress(ValueError):
+            event = json.loads(line) if line else {}
+        if event.get("event") != "ready":
             worker.kill()
             assert proc.stderr is not None
             stderr = (await proc.stderr.read()).decode(errors="replace").strip()
             await worker.discard()
+            step, error = event.get("step", ""), event.get("error", "")
+            if step.startswith("preload "):
+                raise _PreloadFailed(
+                    f"preload module {step[len('preload ') :]!r} cannot be imported inside the "
+                    f"sandbox ({error})"
+                )
+            if step:
+                raise _SpawnFailed(f"{step} setup failed: {error}")
             last = stderr.splitlines()[-1] if stderr else "(no output)"
             raise _SpawnFailed(f"exited with status {proc.returncode}: {last}")
         return worker
@@ -532,6 +613,16 @@ def _remove_stale_dirs() -> None:
         pid = path.name[len(_DIR_PREFIX) :].split("-", 1)[0]
         if pid.isdigit() and not Path(f"/proc/{pid}").exists():
             shutil.rmtree(path, ignore_errors=True)
+
+
+def _fill_pipe(fd: int, data: bytes) -> None:
+    """Write all of ``data`` into the (empty) pipe ``fd`` before its reader starts: grow the
+    pipe to hold it (Linux allows 1 MiB unprivileged, more as root)."""
+    import fcntl
+
+    if len(data) >= 65536:
+        fcntl.fcntl(fd, 1031, len(data) + 4096)  # F_SETPIPE_SZ
+    os.write(fd, data)
 
 
 def _done(worker: _Worker) -> asyncio.Future[_Worker]:

@@ -1,24 +1,32 @@
 """The supervisor that runs inside one sandbox (standard library only; trusted code).
 
-The pool starts it as ``python -I -c <this file's source> <config json>``, inside bwrap's
+The pool starts it as ``python -I -c <this file's source> <fd>``, inside bwrap's
 namespaces, inside ``unshare(1)``'s (then it builds the filesystem view itself and
-``pivot_root``\\s into it), or with no isolation. It runs as root *inside* the namespaces and
-never runs model code itself:
+``pivot_root``\\s into it), or with no isolation; its config (JSON) is on the pipe ``fd``,
+never on a command line. It runs as root *inside* the namespaces and never runs model code
+itself:
 
 1. (``namespaces``) builds the root: a small tmpfs holding read-only binds of the
-   interpreter, the system libraries, a few device nodes, a fresh ``/proc`` and a sized
-   tmpfs ``/tmp``; pivots into it; the host's other files are out of reach.
-2. imports the ``preload`` modules (so each run starts warm) and writes ``ready`` on the
-   status pipe, then waits for the code on stdin (until EOF).
-3. forks the child that runs the code: ``/dev/null`` as stdin, every other inherited file
+   interpreter, the system libraries, a few device nodes and sized tmpfs ``/tmp`` and
+   ``/dev/shm``; pivots into it; the host's other files are out of reach.
+2. (both) gives each tmpfs its inode cap (``nr_inodes``), caps System V IPC in the sandbox's
+   IPC namespace (``kernel.shm*``, ``msg*``, ``sem``; ``shm_rmid_forced``), and mounts
+   ``/proc`` with ``hidepid=invisible,subset=pid``: the code sees its own processes and none
+   of the host's ``/proc`` files.
+3. imports the ``preload`` modules (so each run starts warm) and writes ``ready`` on the
+   status pipe, then waits for the code on stdin (until EOF). A step that fails writes
+   ``setup_failed`` naming the step and the error.
+4. forks the child that runs the code: ``/dev/null`` as stdin, every other inherited file
    closed, the sandbox's own uid/gid (no root, no capabilities, ``no_new_privs``), rlimits
-   on address space, CPU time, processes, file size, open files and core dumps, a seccomp
-   filter (``seccomp_filter``), cwd ``/tmp``.
-4. when the child exits: kills whatever it left running (every process in the sandbox's pid
-   namespace), reaps, and writes ``exit`` with the status on the status pipe.
+   on address space, CPU time, processes, file size, open files and core dumps, the seccomp
+   filter the pool built (``laminar_sandbox.seccomp``), cwd ``/tmp``.
+5. when the child exits: kills whatever it left running (every process in the sandbox's pid
+   namespace), reaps, and writes ``exit`` with the status and the child's resource usage on
+   the status pipe. The pool decides from these observations (and the cgroup's events), not
+   from an exit status the code chose, whether a limit was hit.
 
-Exit status conventions of the child: ``EXIT_MEMORY`` when the code died of ``MemoryError``,
-``EXIT_SETUP`` when the sandbox could not be set up (nothing of the code ran).
+Exit status convention of the child: ``EXIT_SETUP`` when the sandbox could not be set up
+(nothing of the code ran).
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ from __future__ import annotations
 import builtins
 import contextlib
 import ctypes
+import fcntl
 import json
 import os
 import platform
@@ -36,9 +45,12 @@ import struct
 import sys
 import time
 import traceback
+import types
+from collections.abc import Callable
 
-EXIT_MEMORY = 120
 EXIT_SETUP = 121
+#: the code's file name in its tracebacks (what exec'd code is called; not a parser's tag)
+CODE_NAME = "<string>"
 
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
@@ -46,23 +58,9 @@ MNT_DETACH = 2
 PR_SET_NO_NEW_PRIVS = 38
 SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "ppc64le": 203, "s390x": 217}
 
-_libc = ctypes.CDLL(None, use_errno=True)
-
-# seccomp: the syscalls the code may not make (numbers per architecture)
 PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
-CLONE_NEWUSER = 0x10000000
-SECCOMP_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
-SECCOMP_NR = {
-    "x86_64": {
-        "unshare": 272, "clone": 56, "clone3": 435,
-        "denied": (248, 249, 250, 321, 298, 323, 425, 426, 427),
-    },
-    "aarch64": {
-        "unshare": 97, "clone": 220, "clone3": 435,
-        "denied": (217, 218, 219, 280, 241, 282, 425, 426, 427),
-    },
-}  # fmt: skip
-# denied: add_key, request_key, keyctl, bpf, perf_event_open, userfaultfd, io_uring_*
+
+_libc = ctypes.CDLL(None, use_errno=True)
 
 
 def _check(ret: int, what: str) -> None:
@@ -117,11 +115,9 @@ def build_root(root: str, layout: list[list]) -> None:
         elif kind == "tmpfs":
             dst = root + op[1]
             os.makedirs(dst, exist_ok=True)
-            _mount("tmpfs", dst, "tmpfs", MS_NOSUID | MS_NODEV, f"size={op[2]},mode={op[3]:o}")
-        elif kind == "proc":
-            dst = root + op[1]
-            os.makedirs(dst, exist_ok=True)
-            _mount("proc", dst, "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+            _mount("tmpfs", dst, "tmpfs", MS_NOSUID | MS_NODEV, _tmpfs_options(op, mode=True))
+        elif kind == "proc":  # mounted after the pivot (private_mounts)
+            os.makedirs(root + op[1], exist_ok=True)
         elif kind == "dir":
             os.makedirs(root + op[1], exist_ok=True)
             os.chmod(root + op[1], 0o755)
@@ -139,60 +135,64 @@ def build_root(root: str, layout: list[list]) -> None:
     _mount(None, "/", None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
 
 
-def seccomp_filter(machine: str) -> bytes | None:
-    """A classic-BPF seccomp program (``None`` on an architecture not listed): user
-    namespaces cannot be created (``unshare``/``clone`` with ``CLONE_NEWUSER`` fail with
-    EPERM; ``clone3``, whose flags a filter cannot read, fails with ENOSYS so libc falls
-    back to ``clone``), the kernel keyring, ``bpf``, ``perf_event_open``, ``userfaultfd``
-    and ``io_uring`` are refused (EPERM), another ABI's syscalls kill the process. All else
-    is allowed: the point is to close the kernel's most exploited doors, not to list what
-    Python needs."""
-    nrs = SECCOMP_NR.get(machine)
-    if nrs is None:
-        return None
-    allow, kill = 0x7FFF0000, 0x80000000
-    eperm, enosys = 0x00050000 | 1, 0x00050000 | 38
-    ld, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06
-    prog: list = [
-        (ld, 4, None, None),  # seccomp_data.arch
-        (jeq, SECCOMP_ARCH[machine], None, "kill"),
-        (ld, 0, None, None),  # seccomp_data.nr
-        (jge, 0x40000000, "eperm", None),  # x32 syscall numbers
-        (jeq, nrs["unshare"], "flags", None),
-        (jeq, nrs["clone"], "flags", None),
-        (jeq, nrs["clone3"], "enosys", None),
-        *[(jeq, nr, "eperm", None) for nr in nrs["denied"]],
-        (ret, allow, None, None),
-        "flags",
-        (ld, 16, None, None),  # low word of args[0] (little-endian): the clone flags
-        (jset, CLONE_NEWUSER, "eperm", None),
-        (ret, allow, None, None),
-        "eperm",
-        (ret, eperm, None, None),
-        "enosys",
-        (ret, enosys, None, None),
-        "kill",
-        (ret, kill, None, None),
-    ]
-    labels, insns = {}, []
-    for item in prog:
-        if isinstance(item, str):
-            labels[item] = len(insns)
-        else:
-            insns.append(item)
-
-    def off(target: str | None, i: int) -> int:
-        return 0 if target is None else labels[target] - i - 1
-
-    out = b""
-    for i, (code, k, jt, jf) in enumerate(insns):
-        out += struct.pack("=HBBI", code, off(jt, i), off(jf, i), k)
-    return out
+def _tmpfs_options(op: list, mode: bool) -> str:
+    options = f"size={op[2]}"
+    if len(op) > 4 and op[4]:
+        options += f",nr_inodes={op[4]}"
+    return options + (f",mode={op[3]:o}" if mode else "")
 
 
-def _install_seccomp() -> None:
-    program = seccomp_filter(platform.machine())
-    if program is None:
+#: System V IPC limits of the sandbox's IPC namespace (``/proc/sys/kernel``): segments and
+#: queues are few and small, detached segments are freed (``shm_rmid_forced``); ``shmmax``
+#: and ``shmall`` come from the config (the sandbox's disk size).
+IPC_SYSCTLS = {
+    "shmmni": "32",
+    "shm_rmid_forced": "1",
+    "msgmni": "16",
+    "msgmax": "8192",
+    "msgmnb": "16384",
+    "sem": "32 512 32 16",
+}
+
+
+def loopback_up() -> None:
+    """Bring up the network namespace's loopback (``unshare --net`` leaves it down; bwrap
+    brings it up itself), so the code can talk to itself on 127.0.0.1 and nothing else."""
+    siocgifflags, siocsifflags, iff_up = 0x8913, 0x8914, 0x1
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        request = struct.pack("16sH14x", b"lo", 0)
+        flags = struct.unpack("16sH14x", fcntl.ioctl(s, siocgifflags, request))[1]
+        fcntl.ioctl(s, siocsifflags, struct.pack("16sH14x", b"lo", flags | iff_up))
+
+
+def private_mounts(cfg: dict) -> None:
+    """Inside the sandbox's namespaces, root on its ``/``: the tmpfs inode caps (bwrap's
+    tmpfs are remounted with them), the IPC caps, and the restricted ``/proc``."""
+    for op in cfg["layout"]:
+        if op[0] == "tmpfs" and cfg["mode"] == "bwrap":
+            _mount(None, op[1], None, MS_REMOUNT | MS_NOSUID | MS_NODEV, _tmpfs_options(op, False))
+    proc = next((op[1] for op in cfg["layout"] if op[0] == "proc"), None)
+    if proc is None:
+        return
+    # a full /proc for a moment: the IPC sysctls are the writing process's IPC namespace's
+    _mount("proc", proc, "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    try:
+        shm = cfg["ipc_shm_bytes"]
+        sysctls = {**IPC_SYSCTLS, "shmmax": str(shm), "shmall": str(max(1, shm // 4096))}
+        for name, value in sysctls.items():
+            with open(f"{proc}/sys/kernel/{name}", "w") as f:
+                f.write(value)
+    finally:
+        _check(_libc.umount2(proc.encode(), MNT_DETACH), f"umount {proc}")
+    flags = MS_NOSUID | MS_NODEV | MS_NOEXEC
+    try:  # Linux >= 5.8: no /proc file but the processes'
+        _mount("proc", proc, "proc", flags, "hidepid=invisible,subset=pid")
+    except OSError:
+        _mount("proc", proc, "proc", flags, "hidepid=2")
+
+
+def _install_seccomp(program: bytes) -> None:
+    if not program:
         return
     buf = ctypes.create_string_buffer(program)
 
@@ -231,12 +231,12 @@ def _child(code: bytes, cfg: dict) -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (lim["open_files"], lim["open_files"]))
         os.chdir(cfg["workdir"])
         os.umask(0o022)
-        _install_seccomp()
+        _install_seccomp(bytes.fromhex(cfg.get("seccomp", "")))
         # locked down: say so (an exit with EXIT_SETUP after this is the code's own), then
         # close every inherited file, the status pipe included
         _status(cfg["status_fd"], event="started")
         os.closerange(3, 1 << 16)
-        sys.argv = ["<code>"]
+        sys.argv = [CODE_NAME]
         sys.stdin = open(os.devnull)  # noqa: SIM115 - lives as long as the process
         sys.stdout.reconfigure(line_buffering=True)
         sys.stderr.reconfigure(line_buffering=True)
@@ -245,16 +245,18 @@ def _child(code: bytes, cfg: dict) -> None:
         os._exit(EXIT_SETUP)
     rc = 0
     try:
-        exec(compile(code, "<code>", "exec"), {"__name__": "__main__", "__builtins__": builtins})
+        program = compile(code, CODE_NAME, "exec")
+        # a module of its own as __main__, so what it defines can be pickled by name
+        # (multiprocessing, concurrent.futures); the runner keeps its own globals
+        main = sys.modules["__main__"] = types.ModuleType("__main__")
+        main.__builtins__ = builtins
+        exec(program, main.__dict__)
     except SystemExit as e:
         if e.code is None or isinstance(e.code, int):
             rc = e.code or 0
         else:
             print(e.code, file=sys.stderr)
             rc = 1
-    except MemoryError as e:
-        rc = EXIT_MEMORY
-        _print_user_traceback(e)
     except BaseException as e:
         rc = 1
         _print_user_traceback(e)
@@ -269,7 +271,7 @@ def _child(code: bytes, cfg: dict) -> None:
 def _print_user_traceback(e: BaseException) -> None:
     try:  # drop this file's frames: the model sees its own code's traceback only
         tb = e.__traceback__
-        while tb is not None and tb.tb_frame.f_code.co_filename != "<code>":
+        while tb is not None and tb.tb_frame.f_code.co_filename != CODE_NAME:
             tb = tb.tb_next
         traceback.print_exception(type(e), e, tb)
     except BaseException:
@@ -296,15 +298,32 @@ def _kill_leftovers(cfg: dict, child: int) -> None:
             continue
 
 
+def _read_config(fd: int) -> dict:
+    with os.fdopen(fd, "rb") as f:
+        return json.loads(f.read())
+
+
+def _setup(fd: int, step: str, what: Callable[[], object]) -> None:
+    """Run one setup step; on failure say which on the status pipe, and exit."""
+    try:
+        what()
+    except BaseException as e:
+        _status(fd, event="setup_failed", step=step, error=f"{type(e).__name__}: {e}")
+        traceback.print_exc()
+        sys.exit(EXIT_SETUP)
+
+
 def main() -> None:
-    cfg = json.loads(sys.argv[1])
+    cfg = _read_config(int(sys.argv[1]))
     fd = cfg["status_fd"]
     if cfg["mode"] == "namespaces":
-        build_root(cfg["root"], cfg["layout"])
+        _setup(fd, "isolation", lambda: build_root(cfg["root"], cfg["layout"]))
+        _setup(fd, "isolation", loopback_up)
     if cfg["mode"] != "none":
-        socket.sethostname("sandbox")
+        _setup(fd, "isolation", lambda: socket.sethostname("sandbox"))
+        _setup(fd, "isolation", lambda: private_mounts(cfg))
     for name in cfg.get("preload", ()):
-        __import__(name)
+        _setup(fd, f"preload {name}", lambda name=name: __import__(name))
     _status(fd, event="ready", pid=os.getpid())
     code = sys.stdin.buffer.read()
     started = time.monotonic()

@@ -79,7 +79,7 @@ def test_each_call_starts_afresh(driver: Driver) -> None:
         "False" in second.observation and "NameError: name 'x' is not defined" in second.observation
     )
     assert second.info["error"] == "exception"
-    assert 'File "<code>", line 3' in second.observation  # the code's own traceback only
+    assert 'File "<string>", line 3' in second.observation  # the code's own traceback only
     assert "runner" not in second.observation
 
 
