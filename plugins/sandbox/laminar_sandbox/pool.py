@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -618,10 +619,8 @@ def _remove_stale_dirs() -> None:
 def _fill_pipe(fd: int, data: bytes) -> None:
     """Write all of ``data`` into the (empty) pipe ``fd`` before its reader starts: grow the
     pipe to hold it (Linux allows 1 MiB unprivileged, more as root)."""
-    import fcntl
-
     if len(data) >= 65536:
-        fcntl.fcntl(fd, 1031, len(data) + 4096)  # F_SETPIPE_SZ
+        fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, len(data) + 4096)
     os.write(fd, data)
 
 

@@ -139,12 +139,9 @@ class SandboxFusionClient(CodeExecutor):
             r.status = "timeout"
             r.message = f"timed out after {timeout_s:g} s (wall-clock limit); the run was killed"
         elif r.exit_code not in (0, None) or status == "Failed":
-            last = stderr.strip().splitlines()[-1] if stderr.strip() else ""
-            if last.startswith("MemoryError"):
-                r.status = "memory"
-                r.message = "memory limit exceeded (MemoryError)"
-            else:
-                r.status = "error"
+            # the service says nothing about memory: a MemoryError in the code's stderr is
+            # the code's exception (it could raise or print one), not an observed limit
+            r.status = "error"
         return r
 
 

@@ -7,7 +7,8 @@ import signal
 from dataclasses import dataclass
 
 #: ``RunResult.status`` values: ``ok`` (exit 0), ``error`` (the code raised or exited
-#: non-zero), and the limits: ``timeout`` (wall clock), ``memory`` (address space),
+#: non-zero, a MemoryError included), and the limits the executor observed: ``timeout``
+#: (wall clock), ``memory`` (the kernel killed a process at the sandbox's memory budget),
 #: ``cpu_time``, ``output_limit`` (printed past the kill bound), ``killed`` (a signal, or the
 #: sandbox process died under the code).
 STATUSES = ("ok", "error", "timeout", "memory", "cpu_time", "output_limit", "killed")
