@@ -49,8 +49,9 @@ import types
 from collections.abc import Callable
 
 EXIT_SETUP = 121
-#: the code's file name in its tracebacks (what exec'd code is called; not a parser's tag)
-CODE_NAME = "<string>"
+#: the code's file name in its tracebacks: what Python calls code read from stdin (not a
+#: parser's tag, which the observation would escape; not "<string>", the runner's own name)
+CODE_NAME = "<stdin>"
 
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18

@@ -79,7 +79,8 @@ def test_each_call_starts_afresh(driver: Driver) -> None:
         "False" in second.observation and "NameError: name 'x' is not defined" in second.observation
     )
     assert second.info["error"] == "exception"
-    assert 'File "<string>", line 3' in second.observation  # the code's own traceback only
+    assert 'File "<stdin>", line 3' in second.observation  # the code's own traceback only
+    assert "_child" not in second.observation and "<string>" not in second.observation
     assert "runner" not in second.observation
 
 
