@@ -197,8 +197,9 @@ class Scripted(Environment):
 
 
 def qwen_style_tokenizer():
-    """The tiny model's tokenizer (a ``tokenizers.Tokenizer`` in transformers' fast wrapper)
-    with Qwen's chat control tokens added as special tokens."""
+    """The tiny model's tokenizer (a ``tokenizers.Tokenizer`` in transformers' fast wrapper),
+    its reserved ids 100/101 Qwen's chat markers, named as special tokens as Qwen's own
+    tokenizer config names them."""
     from transformers import PreTrainedTokenizerFast
 
     from laminar_core.models.tiny import EOS, _build_tokenizer
