@@ -2,10 +2,11 @@
 
 Runs each program of ``tests/syscall_corpus.py`` (plus the runner's own steps between
 installing the filter and running the code) under ``strace -f`` on this host, with a private
-``/tmp`` (``unshare --mount``) and the sandbox's environment variables, and prints the
-union of the syscalls made, then how it compares with ``laminar_sandbox.seccomp.ALLOWED``:
-what the corpus makes that the list lacks (must be empty) and what the list has beyond
-the corpus (each entry there is deliberate: see the comments in ``seccomp.py``).
+``/tmp`` and ``/dev/shm`` (``unshare --mount``) and the sandbox's environment variables, and
+prints the union of the syscalls made, then how it compares with
+``laminar_sandbox.seccomp.ALLOWED``: what the corpus makes that the list lacks (must be
+empty, but for ``clone3``, which the filter answers ENOSYS so that libc uses ``clone``) and
+what the list has beyond the corpus (each deliberate: see ``seccomp.py``'s docstring).
 
 Usage (root, strace installed)::
 
@@ -52,8 +53,11 @@ def measure(python: str, preload: list[str], name: str, code: str) -> collection
     with tempfile.TemporaryDirectory(dir="/var/tmp") as out:
         trace = f"{out}/trace"
         program = "".join(f"import {m}\n" for m in preload) + code
-        script = (  # a private /tmp, and the sandbox's address-space limit (the 20 GB program)
-            "mount -t tmpfs -o size=256m tmpfs /tmp && cd /tmp && ulimit -v 2097152 && "
+        # a private /tmp and /dev/shm (nothing a program leaves reaches the host's), and the
+        # sandbox's address-space limit (the 20 GB program)
+        script = (
+            "mount -t tmpfs -o size=256m tmpfs /tmp && mount -t tmpfs -o size=64m tmpfs "
+            "/dev/shm && cd /tmp && ulimit -v 2097152 && "
             f'exec strace -f -qq -o {trace} {python} -I -c "$PROGRAM"'
         )
         r = subprocess.run(
