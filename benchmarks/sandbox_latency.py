@@ -1,7 +1,7 @@
 """Per-call latency of ``python_sandbox``'s local sandboxes: this tree next to another checkout.
 
     python benchmarks/sandbox_latency.py --baseline /path/to/other/checkout
-        [--calls 100] [--rounds 4] [--isolation bwrap namespaces] [--preload numpy sympy]
+        [--calls 100] [--isolation bwrap namespaces] [--preload numpy sympy]
 
 A call is ``SandboxPool.run(code)`` on a warm sandbox (the pool's one worker has finished
 warming before each call is timed): handing the code over, the fork that drops privileges,
@@ -10,9 +10,12 @@ process tree down and classifying the outcome. Warming the next sandbox (startin
 interpreter, importing ``preload``) happens between calls and is timed separately ("warm").
 Two programs: ``print(1)`` and a numpy sum (numpy preloaded, as ReTool's example does).
 
-Each variant runs in its own process, its ``laminar_core`` and ``laminar_sandbox`` first on
-``PYTHONPATH``; the two alternate in ``rounds`` rounds, so a machine whose load changes
-meanwhile (a shared one) weighs on both alike. Root and bwrap / unshare(1) needed.
+Each variant's pool lives in a worker process of its own, its ``laminar_core`` and
+``laminar_sandbox`` first on ``PYTHONPATH``. The variants take turns call by call (which one
+goes first alternates), each waiting for the other's next sandbox to be warm, so a machine
+whose load changes meanwhile (a shared one) weighs on both alike. Root and bwrap /
+unshare(1) needed; run it with an interpreter outside ``/tmp`` when the baseline predates
+issue 33 (its sandbox hid an interpreter there).
 """
 
 from __future__ import annotations
@@ -32,48 +35,52 @@ from _common import ROOT, say, table
 PROGRAMS = {"print(1)": "print(1)", "numpy": "import numpy as np\nprint(np.arange(1000).sum())"}
 
 
-async def _measure(isolation: str, calls: int, preload: list[str]) -> dict[str, list[float]]:
+async def _serve(isolation: str, preload: list[str]) -> None:
+    """The worker: start a pool, then time one call per program name read from stdin."""
     from laminar_sandbox import Limits, SandboxPool
 
     pool = SandboxPool(Limits(memory_mb=1024), isolation, workers=1, preload=preload)
     await pool.start()
-    out: dict[str, list[float]] = {name: [] for name in PROGRAMS}
-    out["warm"] = []
+    loop = asyncio.get_running_loop()
     try:
         slot = pool._slots[0]
-        for i in range(calls):
-            name = list(PROGRAMS)[i % len(PROGRAMS)]
-            await slot.warm  # the sandbox for this call, warm
+        await slot.warm
+        print("ready", flush=True)
+        while name := (await loop.run_in_executor(None, sys.stdin.readline)).strip():
             t0 = time.perf_counter()
             r = await pool.run(PROGRAMS[name], 30.0)
-            out[name].append(time.perf_counter() - t0)
+            call = time.perf_counter() - t0
             assert r.status == "ok", r
-            warm_start = time.perf_counter()
-            await slot.warm
-            out["warm"].append(time.perf_counter() - warm_start)
+            t0 = time.perf_counter()
+            await slot.warm  # the next call's sandbox, warm before the other variant goes
+            print(json.dumps({name: call, "warm": time.perf_counter() - t0}), flush=True)
     finally:
         await pool.close()
-    return out
 
 
-def _worker(args: argparse.Namespace) -> None:
-    result = asyncio.run(_measure(args.isolation[0], args.calls, args.preload))
-    print(json.dumps(result))
-
-
-def _run_variant(tree: Path, isolation: str, calls: int, preload: list[str]) -> dict:
+def _start(tree: Path, isolation: str, preload: list[str]) -> subprocess.Popen:
     env = {
         **os.environ,
         "PYTHONPATH": f"{tree}:{tree / 'plugins' / 'sandbox'}",
         "OMP_NUM_THREADS": "1",
     }
-    cmd = [sys.executable, __file__, "--worker", "--calls", str(calls), "--isolation", isolation]
-    out = subprocess.run(
-        [*cmd, "--preload", *preload], env=env, capture_output=True, text=True, check=False
-    )
-    if out.returncode != 0:
-        raise SystemExit(f"{tree}: the measurement failed:\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.splitlines()[-1])
+    cmd = [sys.executable, __file__, "--worker", "--isolation", isolation, "--preload", *preload]
+    proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    if proc.stdout.readline().strip() != "ready":
+        proc.kill()
+        raise SystemExit(f"{tree}: the sandbox pool did not start (its stderr is above)")
+    return proc
+
+
+def _call(proc: subprocess.Popen, name: str) -> dict[str, float]:
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdin.write(name + "\n")
+    proc.stdin.flush()
+    line = proc.stdout.readline()
+    if not line:
+        raise SystemExit(f"a worker ended during the {name} call (its stderr is above)")
+    return json.loads(line)
 
 
 def _ms(values: list[float], q: float) -> str:
@@ -87,25 +94,32 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--baseline", type=Path, help="another checkout (e.g. a worktree of main)")
     ap.add_argument("--calls", type=int, default=100, help="calls per variant and isolation")
-    ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--isolation", nargs="+", default=["bwrap", "namespaces"])
     ap.add_argument("--preload", nargs="*", default=["numpy", "sympy"])
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        return _worker(args)
+        return asyncio.run(_serve(args.isolation[0], args.preload))
     variants = {"this tree": ROOT}
     if args.baseline:
         variants = {"baseline": args.baseline.resolve(), **variants}
-    per_round = max(1, args.calls // args.rounds)
     rows = []
     for isolation in args.isolation:
         got: dict[str, dict[str, list[float]]] = {v: {} for v in variants}
-        for r in range(args.rounds):
-            for name, tree in variants.items():
-                say(f"{isolation}: round {r + 1}/{args.rounds}, {name} ({tree})")
-                for key, values in _run_variant(tree, isolation, per_round, args.preload).items():
-                    got[name].setdefault(key, []).extend(values)
+        say(f"{isolation}: {args.calls} calls per variant, taking turns")
+        procs = {name: _start(tree, isolation, args.preload) for name, tree in variants.items()}
+        try:
+            for i in range(args.calls):
+                program = list(PROGRAMS)[i % len(PROGRAMS)]
+                order = list(procs) if i % 4 < 2 else list(procs)[::-1]
+                for name in order:
+                    for key, value in _call(procs[name], program).items():
+                        got[name].setdefault(key, []).append(value)
+        finally:
+            for proc in procs.values():
+                assert proc.stdin is not None
+                proc.stdin.close()  # the worker closes its pool and exits
+                proc.wait(timeout=60)
         for name in variants:
             for key in [*PROGRAMS, "warm"]:
                 v = got[name].get(key, [])
