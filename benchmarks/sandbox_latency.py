@@ -32,6 +32,7 @@ from pathlib import Path
 
 from _common import ROOT, say, table
 
+HEADER = ["isolation", "what", "variant", "n", "p50 ms", "p99 ms", "mean ms"]
 PROGRAMS = {"print(1)": "print(1)", "numpy": "import numpy as np\nprint(np.arange(1000).sum())"}
 
 
@@ -127,8 +128,9 @@ def main() -> None:
                     [isolation, key, name, str(len(v)), _ms(v, 0.5), _ms(v, 0.99),
                      f"{1000 * statistics.fmean(v):.1f}" if v else "-"]
                 )  # fmt: skip
+        say(table(rows, HEADER))  # so far: a run cut short keeps what it measured
     say("")
-    say(table(rows, ["isolation", "what", "variant", "n", "p50 ms", "p99 ms", "mean ms"]))
+    say(table(rows, HEADER))
 
 
 if __name__ == "__main__":
