@@ -8,6 +8,10 @@ warming before each call is timed): handing the code over, the fork that drops p
 sets the limits and installs the seccomp filter, running the code, tearing the sandbox's
 process tree down and classifying the outcome. Warming the next sandbox (starting the
 interpreter, importing ``preload``) happens between calls and is timed separately ("warm").
+"cpu": the CPU time a call costs the pool's process and the processes reaped through it,
+which a loaded machine does not stretch as it does wall time. Under ``namespaces`` that is
+the whole sandbox that ran the call, its warm-up included; bwrap's init does not pass its
+children's time up, so under ``bwrap`` it is little more than the pool's own share.
 Two programs: ``print(1)`` and a numpy sum (numpy preloaded, as ReTool's example does).
 
 Each variant's pool lives in a worker process of its own, its ``laminar_core`` and
@@ -24,6 +28,7 @@ import argparse
 import asyncio
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -48,15 +53,25 @@ async def _serve(isolation: str, preload: list[str]) -> None:
         await slot.warm
         print("ready", flush=True)
         while name := (await loop.run_in_executor(None, sys.stdin.readline)).strip():
+            cpu0 = _cpu_s()
             t0 = time.perf_counter()
             r = await pool.run(PROGRAMS[name], 30.0)
             call = time.perf_counter() - t0
+            cpu = _cpu_s() - cpu0
             assert r.status == "ok", r
             t0 = time.perf_counter()
             await slot.warm  # the next call's sandbox, warm before the other variant goes
-            print(json.dumps({name: call, "warm": time.perf_counter() - t0}), flush=True)
+            out = {name: call, "warm": time.perf_counter() - t0, "cpu": cpu}
+            print(json.dumps(out), flush=True)
     finally:
         await pool.close()
+
+
+def _cpu_s() -> float:
+    """CPU seconds of this process and of the descendants it reaped (see "cpu" above)."""
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    reaped = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + reaped.ru_utime + reaped.ru_stime
 
 
 def _start(tree: Path, isolation: str, preload: list[str]) -> subprocess.Popen:
@@ -122,7 +137,7 @@ def main() -> None:
                 proc.stdin.close()  # the worker closes its pool and exits
                 proc.wait(timeout=60)
         for name in variants:
-            for key in [*PROGRAMS, "warm"]:
+            for key in [*PROGRAMS, "warm", "cpu"]:
                 v = got[name].get(key, [])
                 rows.append(
                     [isolation, key, name, str(len(v)), _ms(v, 0.5), _ms(v, 0.99),
