@@ -259,7 +259,9 @@ def test_warm_start_fits_the_format(tmp_path: Path) -> None:
     assert report.loss_end < 0.6 * report.loss_start, report
     after = AutoModelForCausalLM.from_pretrained(out).model.embed_tokens.weight
     assert not torch.equal(before, after)
-    with pytest.raises(ValueError, match="unknown warm-up task 'nope'; known: repeat, tool_calling"):
+    with pytest.raises(
+        ValueError, match="unknown warm-up task 'nope'; known: repeat, tool_calling"
+    ):
         warm_start(out, "nope")
 
 
