@@ -16,8 +16,9 @@ The entropy comes from the same chunk as the log-prob, in the same pass.
 Why backward recomputes rather than doing the gradient in forward (as fused
 linear-cross-entropy kernels do): the gradient needs ``d loss / d logprob``, which the RL loss
 (clipped ratios, masks, advantages: core's ``policy_loss``) only gives after the head has
-returned; keeping the ``[tokens, vocab]`` probabilities until then is what the head avoids. Peak extra memory is
-``O(chunk_size x vocab)`` in both directions, and nothing of that size is saved for backward.
+returned; keeping the ``[tokens, vocab]`` probabilities until then is what the head avoids.
+Peak extra memory is ``O(chunk_size x vocab)`` in both directions, and nothing of that size is
+saved for backward.
 
 The numbers are those of the plain path, in the same order of operations::
 

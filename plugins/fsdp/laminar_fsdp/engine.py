@@ -157,7 +157,10 @@ class FSDPTrainerEngine(ModelTrainerEngine):
             lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         train_mode_without_dropout(lm)  # the mode is deliberate: see its docstring
         if self.opt.compile != "none":
-            # the layer's forward, not its __call__: FSDP's and the offload's hooks stay eager
+            # the layer's forward, not its __call__: FSDP's and the offload's hooks stay eager.
+            # Automatic dynamic shapes: the second row length recompiles with the row's length
+            # symbolic, once (dynamic=True makes the head size symbolic too, which inductor's
+            # flex-attention lowering rejects: torch 2.11, measured on an H100)
             for layer in _decoder_layers(lm):
                 layer.forward = torch.compile(layer.forward, backend=self.opt.compile)
         policy = PolicyModel(lm)
@@ -193,9 +196,10 @@ class FSDPTrainerEngine(ModelTrainerEngine):
 
     def _attention(self, cuda: bool) -> str:
         """The transformers attention implementation. Packed rows (and always under sequence
-        parallelism) use the engine's own (``attention.py``: varlen FlashAttention, flex attention
-        under a document mask, or SDPA per trajectory; no dense mask) unless ``attention`` names one of transformers'; padded
-        rows use ``flash_attention_2`` on CUDA when flash-attn is installed, else SDPA."""
+        parallelism) use the engine's own (``attention.py``: varlen FlashAttention, flex
+        attention under a document mask, or SDPA per trajectory; no dense mask) unless
+        ``attention`` names one of transformers'; padded rows use ``flash_attention_2`` on
+        CUDA when flash-attn is installed, else SDPA."""
         if self.sp > 1 or (self.opt.pack and self.opt.attention == "auto"):
             return attention.register()
         if self.opt.attention != "auto":

@@ -31,8 +31,9 @@ class FSDPOptions:
     Memory: ``gradient_checkpointing`` recomputes each decoder layer in backward (keeps only
     the layer inputs). ``activation_offload`` (needs ``gradient_checkpointing``) parks those
     inputs in pinned host memory between forward and backward, prefetched one layer ahead in
-    backward (``offload.py``): for the longest rows. ``logprob_chunk`` positions at a time go through the log-prob head
-    (logits recomputed in backward); ``0`` builds full ``[tokens, vocab]`` float32 logits.
+    backward (``offload.py``): for the longest rows. ``logprob_chunk`` positions at a time go
+    through the log-prob head (logits recomputed in backward); ``0`` builds full
+    ``[tokens, vocab]`` float32 logits.
 
     ``attention``: ``auto`` is ``flash_attention_2`` on CUDA when flash-attn is installed
     (``pip install laminar-fsdp[gpu]``), else ``sdpa``; for packed rows it selects the

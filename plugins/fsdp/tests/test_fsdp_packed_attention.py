@@ -10,6 +10,7 @@ kernel are checked on a GPU (``benchmarks/trainer_engine.py --check-attention``)
 from __future__ import annotations
 
 import warnings
+from itertools import pairwise
 
 import pytest
 import torch
@@ -28,7 +29,7 @@ ROWS = {
 def _dense(bounds: list[int]) -> torch.Tensor:
     n = bounds[-1]
     doc = torch.zeros(n, dtype=torch.long)
-    for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
+    for i, (a, b) in enumerate(pairwise(bounds)):
         doc[a:b] = i
     q, kv = torch.arange(n)[:, None], torch.arange(n)[None, :]
     return (doc[:, None] == doc[None, :]) & (kv <= q)
