@@ -124,6 +124,24 @@ def long_tail_batch(vocab: int, w: dict, seed: int = 0):
     return TrainBatch(0, groups)
 
 
+def setup_run(shape: str, w: dict, device: torch.device, tmp: Path, max_tokens: int, res: dict):
+    """The model (random weights, in ``tmp``), its config and the long-tail batch of one run;
+    the batch's token count goes to ``res``."""
+    from laminar_core import load_config
+
+    path = build_model(shape, tmp / "model", device)
+    dtype = "bfloat16" if device.type == "cuda" else "float32"
+    cfg = load_config(
+        None,
+        [f"model.path={path}", f"model.dtype={dtype}", "trainer.mini_batches=1",
+         f"rollout.max_tokens={max_tokens}", "run.steps=1000"],
+    ).cfg  # fmt: skip
+    batch = long_tail_batch(SHAPES[shape]["vocab_size"], w)
+    res["batch_tokens"] = ntok = tokens_of(batch)
+    say(f"{shape} on {device}: {len(batch.trajectories)} trajectories, {ntok} tokens")
+    return path, cfg, batch
+
+
 def tokens_of(batch) -> int:
     return sum(len(t.prompt_ids) + len(t.response_ids) for t in batch.trajectories)
 
@@ -228,9 +246,11 @@ def make_engine(cfg, **opts):
     return eng
 
 
-def timed(fn, device: torch.device, steps: int) -> tuple[float, float]:
-    """(seconds per call after one warm-up call, peak GiB allocated on GPU or 0)."""
-    fn()
+def timed(fn, device: torch.device, steps: int, warm_up: bool = True) -> tuple[float, float]:
+    """(seconds per call after one warm-up call unless ``warm_up`` is false, peak GiB
+    allocated on GPU or 0)."""
+    if warm_up:
+        fn()
     sync(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -411,7 +431,6 @@ def goals(args, device: torch.device) -> dict:
     per-step counts (``plain``: the plain torch loop), then ``--longest`` tokens in one
     trajectory with checkpointing, with and without activation offload. Every figure goes
     to ``--json`` as soon as it exists; a row that fails is recorded and the run goes on."""
-    from laminar_core import load_config
 
     cuda = device.type == "cuda"
     w = dict(WORKLOADS["smoke" if args.smoke else ("gpu" if cuda else "cpu")])
@@ -431,18 +450,9 @@ def goals(args, device: torch.device) -> dict:
         return args.budget_s > 0 and time.perf_counter() - t_start > args.budget_s
 
     with tempfile.TemporaryDirectory(prefix="laminar-bench-") as tmp:
-        path = build_model(shape, Path(tmp) / "model", device)
         longest = max(args.longest or 0, w["response"] + w["prompt"])
-        cfg = load_config(
-            None,
-            [f"model.path={path}", f"model.dtype={'bfloat16' if cuda else 'float32'}",
-             "trainer.mini_batches=1", f"rollout.max_tokens={longest}", "run.steps=1000"],
-        ).cfg  # fmt: skip
-        vocab = SHAPES[shape]["vocab_size"]
-        batch = long_tail_batch(vocab, w)
-        ntok = tokens_of(batch)
-        res["batch_tokens"] = ntok
-        say(f"{shape} on {device}: {len(batch.trajectories)} trajectories, {ntok} tokens")
+        path, cfg, batch = setup_run(shape, w, device, Path(tmp), longest, res)
+        vocab, ntok = SHAPES[shape]["vocab_size"], res["batch_tokens"]
         conf = None
         table_rows = []
         for name in rows:
@@ -468,14 +478,7 @@ def goals(args, device: torch.device) -> dict:
                 step()  # warm-up: compilation, allocator, cuDNN plans
                 sync(device)
                 res[f"{name}_warmup_s"] = time.perf_counter() - t0
-                if cuda:
-                    torch.cuda.reset_peak_memory_stats(device)
-                t1 = time.perf_counter()
-                for _ in range(steps):
-                    step()
-                sync(device)
-                dt = (time.perf_counter() - t1) / steps
-                peak = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else 0.0
+                dt, peak = timed(step, device, steps, warm_up=False)
                 res[f"{name}_tok_s"], res[f"{name}_s_step"] = ntok / dt, dt
                 res[f"{name}_peak_gib"] = peak
                 counts = step_counts(counted, device)
@@ -660,22 +663,11 @@ def main(argv: list[str] | None = None) -> dict:
     steps = args.steps or w["steps"]
     start, cap = args.probe_start or w["probe"][0], args.probe_cap or w["probe"][1]
     budget = args.micro_batch_tokens
-    from laminar_core import load_config
 
     res: dict[str, Any] = {"shape": shape, "device": str(device), "workload": w}
     with tempfile.TemporaryDirectory(prefix="laminar-bench-") as tmp:
-        path = build_model(shape, Path(tmp) / "model", device)
-        dtype = "bfloat16" if cuda else "float32"
-        cfg = load_config(
-            None,
-            [f"model.path={path}", f"model.dtype={dtype}", "trainer.mini_batches=1",
-             f"rollout.max_tokens={max(cap, w['response'])}", "run.steps=1000"],
-        ).cfg  # fmt: skip
-        vocab = SHAPES[shape]["vocab_size"]
-        batch = long_tail_batch(vocab, w)
-        ntok = tokens_of(batch)
-        res["batch_tokens"] = ntok
-        say(f"{shape} on {device}: {len(batch.trajectories)} trajectories, {ntok} tokens")
+        path, cfg, batch = setup_run(shape, w, device, Path(tmp), max(cap, w["response"]), res)
+        vocab, ntok = SHAPES[shape]["vocab_size"], res["batch_tokens"]
 
         def one(n: int):
             return long_tail_batch(
