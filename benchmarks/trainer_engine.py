@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import math
 import os
@@ -40,6 +41,7 @@ import random
 import sys
 import tempfile
 import time
+from concurrent.futures import Executor, Future
 from pathlib import Path
 from typing import Any
 
@@ -120,6 +122,24 @@ def long_tail_batch(vocab: int, w: dict, seed: int = 0):
             )  # fmt: skip
         groups.append(Group(f"g{g}", g, trajs))
     return TrainBatch(0, groups)
+
+
+def setup_run(shape: str, w: dict, device: torch.device, tmp: Path, max_tokens: int, res: dict):
+    """The model (random weights, in ``tmp``), its config and the long-tail batch of one run;
+    the batch's token count goes to ``res``."""
+    from laminar_core import load_config
+
+    path = build_model(shape, tmp / "model", device)
+    dtype = "bfloat16" if device.type == "cuda" else "float32"
+    cfg = load_config(
+        None,
+        [f"model.path={path}", f"model.dtype={dtype}", "trainer.mini_batches=1",
+         f"rollout.max_tokens={max_tokens}", "run.steps=1000"],
+    ).cfg  # fmt: skip
+    batch = long_tail_batch(SHAPES[shape]["vocab_size"], w)
+    res["batch_tokens"] = ntok = tokens_of(batch)
+    say(f"{shape} on {device}: {len(batch.trajectories)} trajectories, {ntok} tokens")
+    return path, cfg, batch
 
 
 def tokens_of(batch) -> int:
@@ -226,9 +246,11 @@ def make_engine(cfg, **opts):
     return eng
 
 
-def timed(fn, device: torch.device, steps: int) -> tuple[float, float]:
-    """(seconds per call after one warm-up call, peak GiB allocated on GPU or 0)."""
-    fn()
+def timed(fn, device: torch.device, steps: int, warm_up: bool = True) -> tuple[float, float]:
+    """(seconds per call after one warm-up call unless ``warm_up`` is false, peak GiB
+    allocated on GPU or 0)."""
+    if warm_up:
+        fn()
     sync(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -318,6 +340,259 @@ def export_rates(eng, repeats: int) -> dict[str, float]:
     return out
 
 
+# -- per-step counts and the issue-37 goals ------------------------------------------------------
+LAUNCH_EVENTS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
+SYNC_EVENTS = (
+    "cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
+)  # fmt: skip
+
+
+def step_counts(step, device: torch.device) -> dict[str, int]:
+    """One step under ``torch.profiler``: ``aten_ops`` (operator calls dispatched by the
+    host, nested ones included), ``launches`` (CUDA kernel launches; on CPU none: every op
+    runs where it is called), ``syncs`` (host waits on the device: stream/device/event
+    synchronisations and synchronous copies) and ``host_reads`` (``aten::_local_scalar_dense``:
+    a tensor's value read by the host, a sync on GPU, free on CPU)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        step()
+        sync(device)
+    prof.events()
+    counts = {"aten_ops": 0, "launches": 0, "syncs": 0, "host_reads": 0}
+    for ev in prof.events():
+        name = ev.name
+        if name.startswith("aten::"):
+            counts["aten_ops"] += 1
+        if name in LAUNCH_EVENTS:
+            counts["launches"] += 1
+        if name in SYNC_EVENTS:
+            counts["syncs"] += 1
+        if name == "aten::_local_scalar_dense":
+            counts["host_reads"] += 1
+    return counts
+
+
+class _SameThread(Executor):
+    """Runs what is submitted at once, in the caller's thread: the profiler records the
+    operators of the thread it was started in, and the engine's model work runs on a worker
+    thread of its own."""
+
+    def submit(self, fn, /, *args, **kwargs):
+        fut: Future = Future()
+        try:
+            fut.set_result(fn(*args, **kwargs))
+        except BaseException as e:
+            fut.set_exception(e)
+        return fut
+
+
+def _inline(eng, step):
+    """``step`` with the engine's blocking work on the calling thread (for the profiler)."""
+
+    def run():
+        pool, eng._pool = eng._pool, _SameThread()
+        try:
+            step()
+        finally:
+            eng._pool = pool
+
+    return run
+
+
+# variants of the engine: main's packed-attention path (one SDPA call per trajectory, eager)
+# and this one (one flex / varlen-flash call per layer, compiled layers and head)
+GOAL_VARIANTS: dict[str, dict[str, Any]] = {
+    "default": {},  # the options' defaults (also on main's code: before/after on CPU)
+    "base": {"packed_attention": "sdpa"},
+    "flex": {"packed_attention": "flex"},  # one compiled flex call per layer, nothing else
+    "new": {"packed_attention": "auto", "compile": "inductor"},
+    "base+ckpt": {"packed_attention": "sdpa", "gradient_checkpointing": True},
+    "new+ckpt": {"packed_attention": "auto", "compile": "inductor", "gradient_checkpointing": True},
+    "flex+ckpt": {"packed_attention": "flex", "gradient_checkpointing": True},
+}
+
+
+def variant(name: str, cuda: bool) -> dict[str, Any]:
+    """A ``GOAL_VARIANTS`` entry; on CPU without compilation (a C++ build per graph there,
+    minutes on the tiny shape: ``--compile-on-cpu`` keeps it)."""
+    opts = dict(GOAL_VARIANTS[name])
+    if not cuda and not COMPILE_ON_CPU:
+        opts.pop("compile", None)
+    return opts
+
+
+COMPILE_ON_CPU = False
+
+
+def goals(args, device: torch.device) -> dict:
+    """The issue-37 figures in one run: each ``--rows`` entry's tokens/s, MFU, peak memory and
+    per-step counts (``plain``: the plain torch loop), then ``--longest`` tokens in one
+    trajectory with checkpointing, with and without activation offload. Every figure goes
+    to ``--json`` as soon as it exists; a row that fails is recorded and the run goes on."""
+
+    cuda = device.type == "cuda"
+    w = dict(WORKLOADS["smoke" if args.smoke else ("gpu" if cuda else "cpu")])
+    steps = args.steps or w["steps"]
+    shape = "smoke" if args.smoke else args.shape
+    res: dict[str, Any] = {"shape": shape, "device": str(device), "workload": w}
+    if cuda:
+        res["gpu"] = torch.cuda.get_device_name(device)
+    rows = [r for r in args.rows.split(",") if r]
+    t_start = time.perf_counter()
+
+    def save() -> None:
+        if args.json:
+            args.json.write_text(json.dumps(res, indent=2, sort_keys=True) + "\n")
+
+    def out_of_time() -> bool:
+        return args.budget_s > 0 and time.perf_counter() - t_start > args.budget_s
+
+    with tempfile.TemporaryDirectory(prefix="laminar-bench-") as tmp:
+        longest = max(args.longest or 0, w["response"] + w["prompt"])
+        path, cfg, batch = setup_run(shape, w, device, Path(tmp), longest, res)
+        vocab, ntok = SHAPES[shape]["vocab_size"], res["batch_tokens"]
+        conf = None
+        table_rows = []
+        for name in rows:
+            if out_of_time():
+                res[f"{name}_error"] = "skipped: --budget-s spent"
+                continue
+            t0 = time.perf_counter()
+            try:
+                if name == "plain":
+                    base = PlainLoop(path, device, args.micro_batch_tokens, cfg)
+                    step = lambda b=base: b.step(batch)  # noqa: E731
+                    closer = lambda: None  # noqa: E731
+                    counted = step
+                else:
+                    eng = make_engine(
+                        cfg, micro_batch_tokens=args.micro_batch_tokens, **variant(name, cuda)
+                    )
+                    conf = eng.lm.config
+                    res[f"{name}_kernel"] = getattr(eng, "kernel", "sdpa")  # main's: no choice
+                    step = lambda e=eng: asyncio.run(e.train_step(batch))  # noqa: E731
+                    closer = lambda e=eng: asyncio.run(e.close())  # noqa: E731
+                    counted = _inline(eng, step)
+                step()  # warm-up: compilation, allocator, cuDNN plans
+                sync(device)
+                res[f"{name}_warmup_s"] = time.perf_counter() - t0
+                dt, peak = timed(step, device, steps, warm_up=False)
+                res[f"{name}_tok_s"], res[f"{name}_s_step"] = ntok / dt, dt
+                res[f"{name}_peak_gib"] = peak
+                counts = step_counts(counted, device)
+                res.update({f"{name}_{k}": v for k, v in counts.items()})
+                closer()
+            except Exception as e:
+                res[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                say(f"{name}: {res[f'{name}_error']}")
+                if cuda:
+                    torch.cuda.empty_cache()
+            save()
+            table_rows.append(name)
+            say(f"{name}: done in {time.perf_counter() - t0:.0f} s")
+            # drop every reference to the row's trainer (the closures hold it too), so the next
+            # row's peak memory is its own
+            eng = base = step = closer = counted = None
+            gc.collect()
+            if cuda:
+                torch.cuda.empty_cache()
+        if conf is None:
+            from transformers import AutoConfig
+
+            conf = AutoConfig.from_pretrained(str(path))
+        flops = model_flops(conf, batch)
+        out = []
+        for name in table_rows:
+            if f"{name}_tok_s" not in res:
+                out.append([name, res.get(f"{name}_error", "-")[:40]] + ["-"] * 6)
+                continue
+            mfu = flops / res[f"{name}_s_step"] / (args.peak_tflops * 1e12) if cuda else 0.0
+            res[f"{name}_mfu"] = mfu
+            out.append([
+                name, f"{res[f'{name}_tok_s']:,.0f}", f"{100 * mfu:.1f}%" if cuda else "-",
+                f"{res[f'{name}_peak_gib']:.2f}", str(res[f"{name}_launches"]),
+                str(res[f"{name}_syncs"]), str(res[f"{name}_host_reads"]),
+                str(res[f"{name}_aten_ops"]),
+            ])  # fmt: skip
+        hdr = ["trainer", "tokens/s", "MFU", "peak GiB", "launches", "syncs", "host reads",
+               "aten ops"]  # fmt: skip
+        if out:
+            say(table(out, hdr))
+        save()
+        if args.longest:
+            lrows = []
+            # the compiled variant unless it failed above (then flex attention alone)
+            ckpt = "flex+ckpt" if "new+ckpt_error" in res else "new+ckpt"
+            runs = [(f"{ckpt}+offload", {**variant(ckpt, cuda), "activation_offload": True})]
+            if not args.longest_offload_only:
+                runs.append((ckpt, variant(ckpt, cuda)))
+            for label, opts in runs:
+                if out_of_time():
+                    res[f"longest_{label}"] = "skipped: --budget-s spent"
+                    continue
+                t0 = time.perf_counter()
+                one = long_tail_batch(
+                    vocab, {**w, "groups": 1, "samples": 1, "response": args.longest - w["prompt"]}
+                )
+                try:
+                    eng = make_engine(cfg, micro_batch_tokens=args.longest, **opts)
+                    if cuda:
+                        torch.cuda.reset_peak_memory_stats(device)
+                    asyncio.run(eng.train_step(one))
+                    sync(device)
+                    dt = time.perf_counter() - t0
+                    peak = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else 0.0
+                    res[f"longest_{label}"] = {"tokens": args.longest, "peak_gib": peak, "s": dt}
+                    lrows.append([label, str(args.longest), f"{peak:.2f}", f"{dt:.1f}"])
+                    asyncio.run(eng.close())
+                except torch.cuda.OutOfMemoryError as e:
+                    res[f"longest_{label}"] = f"out of memory: {str(e)[:200]}"
+                    lrows.append([label, f"{args.longest}: out of memory", "-", "-"])
+                except Exception as e:
+                    res[f"longest_{label}"] = f"{type(e).__name__}: {str(e)[:300]}"
+                    lrows.append([label, f"{type(e).__name__}", "-", "-"])
+                eng = None
+                if cuda:
+                    torch.cuda.empty_cache()
+                save()
+            if lrows:
+                hdr = ["one trajectory, 1 step", "tokens", "peak GiB", "s (incl. setup)"]
+                say(table(lrows, hdr))
+    res["elapsed_s"] = time.perf_counter() - t_start
+    save()
+    return res
+
+
+def check_attention(device: torch.device) -> dict[str, float]:
+    """Packed flex attention (compiled on CUDA) against one SDPA call per trajectory, forward
+    and backward, in bf16 on random inputs: max |difference| over max |reference|."""
+    from laminar_fsdp.attention import packed_attention
+    from laminar_fsdp.packed_row import PackedRow
+
+    g = torch.Generator(device="cpu").manual_seed(0)
+    bounds = [0, 300, 301, 1500, 1536, 4000, 4096]
+    n = bounds[-1]
+    dt = torch.bfloat16 if device.type == "cuda" else torch.float64
+    base = [torch.randn(1, h, n, 128, generator=g).to(device, dt) for h in (12, 2, 2)]
+    dout = torch.randn(1, 12, n, 128, generator=g).to(device, dt)
+    grads = device.type == "cuda"  # flex attention has no backward on CPU
+    got = {}
+    for kernel in ("sdpa", "flex"):
+        q, k, v = (t.clone().requires_grad_(grads) for t in base)
+        row = PackedRow.of(bounds, device, kernel=kernel)
+        out = packed_attention(q, k, v, row, 128**-0.5)
+        got[kernel] = [out.detach().float()]
+        if grads:
+            out.backward(dout)
+            got[kernel] += [q.grad.float(), k.grad.float(), v.grad.float()]
+    rel = {}
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got["flex"], got["sdpa"]):
+        rel[name] = float((a - b).abs().max() / b.abs().max())
+    return rel
+
+
 def _mb(value: float | None) -> str:
     return "out of memory" if value is None else f"{value:.2f}"
 
@@ -333,32 +608,66 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--probe-cap", type=int)
     ap.add_argument("--peak-tflops", type=float, default=H100_BF16_TFLOPS)
     ap.add_argument("--cpu", action="store_true", help="stay on CPU even with a GPU")
-    args = ap.parse_args(argv)
+    ap.add_argument(
+        "--goals",
+        action="store_true",
+        help="issue 37's figures: --rows side by side, counts per step, --longest",
+    )
+    ap.add_argument(
+        "--rows",
+        default="plain,base,new",
+        help=f"with --goals: plain and any of {', '.join(GOAL_VARIANTS)}",
+    )
+    ap.add_argument(
+        "--longest",
+        type=int,
+        default=0,
+        help="with --goals: one trajectory of this many tokens, ckpt +- offload",
+    )
+    ap.add_argument(
+        "--longest-offload-only",
+        action="store_true",
+        help="with --longest: only with activation offload",
+    )
+    ap.add_argument(
+        "--budget-s",
+        type=float,
+        default=0,
+        help="with --goals: skip what is left after this many seconds",
+    )
+    ap.add_argument(
+        "--compile-on-cpu",
+        action="store_true",
+        help="with --goals on CPU: compile the 'new' rows too (minutes)",
+    )
+    ap.add_argument(
+        "--check-attention",
+        action="store_true",
+        help="flex vs per-trajectory SDPA, forward and backward (GPU)",
+    )
+    args = ap.parse_args(argv)  # fmt: skip
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
 
     cuda = torch.cuda.is_available() and not args.cpu
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    if args.check_attention:
+        rel = check_attention(device)
+        say("flex vs SDPA per trajectory, max|diff|/max|ref|: " + json.dumps(rel))
+        return rel
+    if args.goals:
+        global COMPILE_ON_CPU
+        COMPILE_ON_CPU = args.compile_on_cpu
+        return goals(args, device)
     shape = "smoke" if args.smoke else args.shape
     w = dict(WORKLOADS["smoke" if args.smoke else ("gpu" if cuda else "cpu")])
     steps = args.steps or w["steps"]
     start, cap = args.probe_start or w["probe"][0], args.probe_cap or w["probe"][1]
     budget = args.micro_batch_tokens
-    from laminar_core import load_config
 
     res: dict[str, Any] = {"shape": shape, "device": str(device), "workload": w}
     with tempfile.TemporaryDirectory(prefix="laminar-bench-") as tmp:
-        path = build_model(shape, Path(tmp) / "model", device)
-        dtype = "bfloat16" if cuda else "float32"
-        cfg = load_config(
-            None,
-            [f"model.path={path}", f"model.dtype={dtype}", "trainer.mini_batches=1",
-             f"rollout.max_tokens={max(cap, w['response'])}", "run.steps=1000"],
-        ).cfg  # fmt: skip
-        vocab = SHAPES[shape]["vocab_size"]
-        batch = long_tail_batch(vocab, w)
-        ntok = tokens_of(batch)
-        res["batch_tokens"] = ntok
-        say(f"{shape} on {device}: {len(batch.trajectories)} trajectories, {ntok} tokens")
+        path, cfg, batch = setup_run(shape, w, device, Path(tmp), max(cap, w["response"]), res)
+        vocab, ntok = SHAPES[shape]["vocab_size"], res["batch_tokens"]
 
         def one(n: int):
             return long_tail_batch(

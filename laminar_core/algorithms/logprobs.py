@@ -8,9 +8,17 @@ copy, the temperature-scaled copy, the log-softmax; at vocab 151,936 that is ~1.
 
 :func:`chunked_logprobs` computes the same numbers ``chunk_size`` positions at a time inside a
 custom autograd ``Function``: forward keeps only the per-position results and saves the
-inputs (hidden states, weight, labels); backward recomputes each chunk's logits and turns them
-into gradients for the hidden states and the weight on the spot. Peak extra memory is
-``O(chunk_size x vocab)`` in both directions, and nothing of that size is saved for backward.
+inputs (hidden states, weight, labels) and each position's log-sum-exp; backward recomputes
+each chunk's logits (one matmul: the softmax needs no second reduction, the saved log-sum-exp
+normalises it) and turns them into gradients for the hidden states and the weight on the spot.
+The entropy comes from the same chunk as the log-prob, in the same pass.
+
+Why backward recomputes rather than doing the gradient in forward (as fused
+linear-cross-entropy kernels do): the gradient needs ``d loss / d logprob``, which the RL loss
+(clipped ratios, masks, advantages: core's ``policy_loss``) only gives after the head has
+returned; keeping the ``[tokens, vocab]`` probabilities until then is what the head avoids.
+Peak extra memory is ``O(chunk_size x vocab)`` in both directions, and nothing of that size is
+saved for backward.
 
 The numbers are those of the plain path, in the same order of operations::
 
@@ -53,6 +61,7 @@ def chunked_logprobs(
     chunk_size: int = 1024,
     bias: Tensor | None = None,
     with_entropy: bool = False,
+    compiled: bool | str = False,
 ) -> tuple[Tensor, Tensor | None]:
     """Log-prob of ``labels`` (and optionally the entropy) under ``softmax(hidden @ W.T / T)``.
 
@@ -66,7 +75,11 @@ def chunked_logprobs(
             ``4 * chunk_size * V * 4`` bytes (in backward). ``<= 0`` falls back to
             :func:`full_logprobs`.
         bias: optional ``[V]`` bias of the projection.
-        with_entropy: also return the entropy of each position's distribution.
+        with_entropy: also return the entropy of each position's distribution (computed
+            from the same chunk's logits as the log-prob: no second pass).
+        compiled: run each chunk's softmax math through ``torch.compile`` (fused kernels;
+            worth it on GPU, where the eager ops are each a pass over ``[chunk, V]``); a
+            string names the ``torch.compile`` backend (``True``: inductor).
 
     Returns:
         ``(logprobs, entropy)``: float32 tensors of the leading shape; ``entropy`` is ``None``
@@ -91,23 +104,86 @@ def chunked_logprobs(
         return full_logprobs(hidden, weight, labels, temperature, bias, with_entropy)
     h2 = hidden.reshape(-1, hidden.shape[-1])
     lp, ent = _ChunkedLogprobs.apply(
-        h2, weight, bias, labels, float(temperature), int(chunk_size), with_entropy
+        h2, weight, bias, labels, float(temperature), int(chunk_size), with_entropy, compiled
     )
     return lp, (ent if with_entropy else None)
 
 
-def _chunk_logits(h: Tensor, weight: Tensor, bias: Tensor | None, temperature: float) -> Tensor:
-    return torch.nn.functional.linear(h, weight, bias).float() / temperature
+def _chunk_logits(h: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """One chunk's logits in the compute dtype (the matmul, left to the BLAS library)."""
+    return torch.nn.functional.linear(h, weight, bias)
+
+
+def _forward_stats(
+    logits: Tensor, labels: Tensor, temperature: float, with_entropy: bool
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """One chunk's ``(logprob of label, logsumexp, entropy or None)`` from its logits, in
+    one pass's worth of reads: the entropy is ``-sum(p * log p)`` with ``log p = z - lse``
+    from the same log-sum-exp, not a second softmax over the vocabulary."""
+    z = logits.float() / temperature
+    lse = torch.logsumexp(z, -1)
+    lp = z.gather(-1, labels[:, None]).squeeze(-1) - lse
+    ent = None
+    if with_entropy:
+        logp = z - lse[:, None]
+        ent = -(torch.exp(logp) * logp).sum(-1)
+    return lp, lse, ent
+
+
+def _grad_logits(
+    logits: Tensor,
+    lse: Tensor,
+    labels: Tensor,
+    g_lp: Tensor | None,
+    g_ent: Tensor | None,
+    temperature: float,
+) -> Tensor:
+    """``d loss / d logits`` of one chunk (float32), from the forward's saved log-sum-exp:
+    ``p = exp(z - lse)`` directly, no reduction over the vocabulary unless the entropy
+    carries a gradient."""
+    z = logits.float() / temperature
+    logp = z - lse[:, None]
+    p = torch.exp(logp)
+    gz = torch.zeros_like(p)
+    if g_lp is not None:
+        # d log p(y) / dz = onehot(y) - p
+        gz = gz - p * g_lp[:, None]
+        gz = gz.scatter_add(-1, labels[:, None], g_lp[:, None])
+    if g_ent is not None:
+        # H = -sum p log p;  dH / dz_j = -p_j (log p_j + H)
+        h_ent = -(p * logp).sum(-1, keepdim=True)
+        gz = gz - p * (logp + h_ent) * g_ent[:, None]
+    return gz / temperature
+
+
+_COMPILED: dict[str, tuple] = {}
+
+
+def _kernels(compiled: bool | str):
+    """The per-chunk math, eager or through ``torch.compile`` (one fused kernel per chunk
+    instead of about ten passes over ``[chunk, vocab]``; ``dynamic``: the last chunk's
+    length differs and must not recompile)."""
+    if not compiled or torch.compiler.is_compiling():
+        return _forward_stats, _grad_logits
+    backend = compiled if isinstance(compiled, str) else "inductor"
+    if backend not in _COMPILED:
+        _COMPILED[backend] = (
+            torch.compile(_forward_stats, dynamic=True, backend=backend),
+            torch.compile(_grad_logits, dynamic=True, backend=backend),
+        )
+    return _COMPILED[backend]
 
 
 class _ChunkedLogprobs(torch.autograd.Function):
     """Forward and backward over ``chunk_size`` positions at a time; see the module docstring.
 
-    Saved for backward: the inputs only (hidden ``[N, H]``, weight, bias, flat labels).
+    Saved for backward: the inputs (hidden ``[N, H]``, weight, bias, flat labels) and each
+    position's float32 log-sum-exp, so backward recomputes a chunk's logits (one matmul) and
+    needs no second reduction over the vocabulary.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, temperature, chunk_size, with_entropy):
+    def forward(ctx, hidden, weight, bias, labels, temperature, chunk_size, with_entropy, compiled):
         # outputs in the labels' shape, written through flat views (an output that is a view
         # would trip in-place checks downstream, e.g. FSDP's)
         n = hidden.shape[0]
@@ -115,26 +191,31 @@ class _ChunkedLogprobs(torch.autograd.Function):
         lp_out = torch.empty(labels.shape, **kw)
         ent_out = torch.empty(labels.shape, **kw) if with_entropy else torch.empty(0, **kw)
         lp, ent, labels = lp_out.view(-1), ent_out.view(-1), labels.reshape(-1)
+        lse = torch.empty(n, **kw)
+        fwd, _ = _kernels(compiled)
         for s in range(0, n, chunk_size):
             e = min(n, s + chunk_size)
-            z = _chunk_logits(hidden[s:e], weight, bias, temperature)
-            lse = torch.logsumexp(z, -1)
-            lp[s:e] = z.gather(-1, labels[s:e, None]).squeeze(-1) - lse
+            c_lp, c_lse, c_ent = fwd(
+                _chunk_logits(hidden[s:e], weight, bias), labels[s:e], temperature, with_entropy
+            )
+            lp[s:e], lse[s:e] = c_lp, c_lse
             if with_entropy:
-                logp = z.sub_(lse[:, None])  # in place: z is not needed any more
-                ent[s:e] = -(logp.exp() * logp).sum(-1)
-        ctx.save_for_backward(hidden, weight, bias, labels)
-        ctx.temperature, ctx.chunk_size = temperature, chunk_size
+                ent[s:e] = c_ent
+        ctx.save_for_backward(hidden, weight, bias, labels, lse)
+        ctx.temperature, ctx.chunk_size, ctx.compiled = temperature, chunk_size, compiled
         ctx.set_materialize_grads(False)
         return lp_out, ent_out
 
     @staticmethod
     def backward(ctx, g_lp, g_ent):
-        hidden, weight, bias, labels = ctx.saved_tensors
+        hidden, weight, bias, labels, lse = ctx.saved_tensors
         t, chunk = ctx.temperature, ctx.chunk_size
+        _, grad_logits = _kernels(ctx.compiled)
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         if g_ent is not None and g_ent.numel() == 0:
             g_ent = None
+        g_lp = g_lp.reshape(-1).float() if g_lp is not None else None
+        g_ent = g_ent.reshape(-1).float() if g_ent is not None else None
         grad_h = torch.empty_like(hidden) if need_h else None
         # accumulate the weight's gradient over chunks in float32, cast once at the end
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
@@ -143,20 +224,14 @@ class _ChunkedLogprobs(torch.autograd.Function):
         for s in range(0, n, chunk):
             e = min(n, s + chunk)
             h = hidden[s:e]
-            logp = torch.log_softmax(_chunk_logits(h, weight, bias, t), -1)
-            p = logp.exp()
-            gz = torch.zeros_like(p)
-            if g_lp is not None:
-                g = g_lp.reshape(-1)[s:e].float()
-                # d log p(y) / dz = onehot(y) - p
-                gz.addcmul_(p, g[:, None], value=-1.0)
-                gz.scatter_add_(-1, labels[s:e, None], g[:, None])
-            if g_ent is not None:
-                g = g_ent.reshape(-1)[s:e].float()
-                # H = -sum p log p;  dH / dz_j = -p_j (log p_j + H)
-                h_ent = -(p * logp).sum(-1, keepdim=True)
-                gz.sub_(p * (logp + h_ent) * g[:, None])
-            gz.div_(t)  # z = logits / t
+            gz = grad_logits(
+                _chunk_logits(h, weight, bias),
+                lse[s:e],
+                labels[s:e],
+                g_lp[s:e] if g_lp is not None else None,
+                g_ent[s:e] if g_ent is not None else None,
+                t,
+            )
             gz_c = gz.to(hidden.dtype)
             if need_h:
                 grad_h[s:e] = gz_c @ weight
@@ -173,6 +248,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
             grad_h,
             grad_w.to(weight.dtype) if need_w else None,
             grad_b.to(bias.dtype) if need_b and bias is not None else None,
+            None,
             None,
             None,
             None,

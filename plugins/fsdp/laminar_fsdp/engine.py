@@ -16,6 +16,7 @@ and the LR scheduler.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import json
 import math
@@ -51,6 +52,7 @@ from laminar_core.training import (
 from laminar_fsdp import attention, ulysses
 from laminar_fsdp.export import WeightStream, export_buckets
 from laminar_fsdp.memory import SavedBytes, saved_activations
+from laminar_fsdp.offload import offload_layer_inputs
 from laminar_fsdp.options import FSDPOptions
 from laminar_fsdp.packed_row import PackedRow
 from laminar_fsdp.policy import PolicyModel, train_mode_without_dropout
@@ -77,6 +79,7 @@ class FSDPTrainerEngine(ModelTrainerEngine):
         self.sp, self.dp, self.sp_rank, self.dp_rank = 1, 1, 0, 0
         self.sp_group: dist.ProcessGroup | None = None
         self.row_kwarg = False  # the model runs attention.py's packed attention
+        self.kernel = "sdpa"  # its kernel (attention.resolve_kernel)
         self.device = torch.device("cpu")
         self.model: PolicyModel | None = None
         self.lm: torch.nn.Module | None = None
@@ -141,6 +144,7 @@ class FSDPTrainerEngine(ModelTrainerEngine):
             self.sp_group = grid.get_group("sp")
         attn = self._attention(cuda)
         self.row_kwarg = attn == attention.ATTENTION_NAME
+        self.kernel = attention.resolve_kernel(self.opt.packed_attention, self.device)
         lm = AutoModelForCausalLM.from_pretrained(
             str(path), dtype=torch.float32, attn_implementation=attn
         )
@@ -152,6 +156,13 @@ class FSDPTrainerEngine(ModelTrainerEngine):
         if self.opt.gradient_checkpointing:
             lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         train_mode_without_dropout(lm)  # the mode is deliberate: see its docstring
+        if self.opt.compile != "none":
+            # the layer's forward, not its __call__: FSDP's and the offload's hooks stay eager.
+            # Automatic dynamic shapes: the second row length recompiles with the row's length
+            # symbolic, once (dynamic=True makes the head size symbolic too, which inductor's
+            # flex-attention lowering rejects: torch 2.11, measured on an H100)
+            for layer in _decoder_layers(lm):
+                layer.forward = torch.compile(layer.forward, backend=self.opt.compile)
         policy = PolicyModel(lm)
         dtype = self.opt.param_dtype
         if dtype == "auto":
@@ -185,9 +196,10 @@ class FSDPTrainerEngine(ModelTrainerEngine):
 
     def _attention(self, cuda: bool) -> str:
         """The transformers attention implementation. Packed rows (and always under sequence
-        parallelism) use the engine's own (``attention.py``: varlen FlashAttention or SDPA per
-        trajectory, no dense mask) unless ``attention`` names one of transformers'; padded
-        rows use ``flash_attention_2`` on CUDA when flash-attn is installed, else SDPA."""
+        parallelism) use the engine's own (``attention.py``: varlen FlashAttention, flex
+        attention under a document mask, or SDPA per trajectory; no dense mask) unless
+        ``attention`` names one of transformers'; padded rows use ``flash_attention_2`` on
+        CUDA when flash-attn is installed, else SDPA."""
         if self.sp > 1 or (self.opt.pack and self.opt.attention == "auto"):
             return attention.register()
         if self.opt.attention != "auto":
@@ -219,7 +231,9 @@ class FSDPTrainerEngine(ModelTrainerEngine):
         row = None
         if mb.packed and self.row_kwarg:
             sp = {"group": self.sp_group, "size": self.sp, "rank": self.sp_rank}
-            row = PackedRow.of(mb.cu_seqlens, dev, **sp)
+            row = PackedRow.of(mb.cu_seqlens, dev, kernel=self.kernel, **sp)
+            if row.kernel == "flex":
+                row.block_mask()  # once per micro-batch, outside any compiled region
         if self.sp > 1:
             width = ids.shape[1] // self.sp
             cols = slice(self.sp_rank * width, (self.sp_rank + 1) * width)
@@ -234,6 +248,7 @@ class FSDPTrainerEngine(ModelTrainerEngine):
             chunk=self.opt.logprob_chunk,
             with_entropy=with_entropy,
             row=row,
+            compiled=self._compiled(),
         )
         if ent is not None:
             ent = ent.detach()
@@ -241,6 +256,15 @@ class FSDPTrainerEngine(ModelTrainerEngine):
             lp = gather_sequence(lp, row)
             ent = gather_sequence(ent, row) if ent is not None else None
         return lp, ent
+
+    def _compiled(self) -> bool | str:
+        return {"none": False, "inductor": True}.get(self.opt.compile, self.opt.compile)
+
+    def _offload(self):
+        """Activation offload around a forward and its backward, when asked for."""
+        if not self.opt.activation_offload:
+            return contextlib.nullcontext()
+        return offload_layer_inputs(_decoder_layers(self.lm))
 
     # -- what core's step asks of the model -----------------------------------------------------
     def batch_layout(self) -> BatchLayout:
@@ -253,7 +277,9 @@ class FSDPTrainerEngine(ModelTrainerEngine):
             pad_id=self.pad_id,
             token_budget=self.opt.micro_batch_tokens * self.sp,
             packed=self.opt.pack,
-            row_multiple=self.sp,
+            row_multiple=math.lcm(self.sp, self.opt.compile_bucket)
+            if self.opt.compile != "none"
+            else self.sp,
             dp_size=self.dp,
             dp_rank=self.dp_rank,
             lockstep=True,
@@ -267,16 +293,17 @@ class FSDPTrainerEngine(ModelTrainerEngine):
     def forward_backward(self, micro_batches: list[MicroBatch], loss_fn: LossFn) -> None:
         self.optim.zero_grad(set_to_none=True)
         for mb in micro_batches:
-            lp_rows, ent_rows = self._forward(mb, with_entropy=True)
-            if not mb.index:
-                (lp_rows.sum() * 0.0).backward()  # keeps FSDP's collectives in step
-                continue
-            ent = responses(ent_rows, mb.spans) if ent_rows is not None else None
-            loss = loss_fn(mb, responses(lp_rows, mb.spans), ent)
-            # FSDP averages gradients over all ranks; scaling by world makes the sum over
-            # ranks' shares the batch-level objective (each rank of a sequence-parallel
-            # group back-propagates the shared loss through its own columns only).
-            (loss * self.world).backward()
+            with self._offload():
+                lp_rows, ent_rows = self._forward(mb, with_entropy=True)
+                if not mb.index:
+                    (lp_rows.sum() * 0.0).backward()  # keeps FSDP's collectives in step
+                    continue
+                ent = responses(ent_rows, mb.spans) if ent_rows is not None else None
+                loss = loss_fn(mb, responses(lp_rows, mb.spans), ent)
+                # FSDP averages gradients over all ranks; scaling by world makes the sum over
+                # ranks' shares the batch-level objective (each rank of a sequence-parallel
+                # group back-propagates the shared loss through its own columns only).
+                (loss * self.world).backward()
 
     def optimizer_step(self) -> torch.Tensor:
         norm = torch.nn.utils.clip_grad_norm_(self.trained, self.opt.grad_clip)

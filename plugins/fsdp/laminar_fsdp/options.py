@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 LR_SCHEDULES = ("constant", "linear", "cosine")
 ATTENTIONS = ("auto", "sdpa", "eager", "flash_attention_2", "flex_attention")
+PACKED_KERNELS = ("auto", "flash", "flex", "sdpa")
+COMPILE = ("none", "inductor", "aot_eager")
 
 
 @dataclass
@@ -27,11 +29,24 @@ class FSDPOptions:
     size and the model's attention heads; needs ``pack``.
 
     Memory: ``gradient_checkpointing`` recomputes each decoder layer in backward (keeps only
-    the layer inputs). ``logprob_chunk`` positions at a time go through the log-prob head
-    (logits recomputed in backward); ``0`` builds full ``[tokens, vocab]`` float32 logits.
+    the layer inputs). ``activation_offload`` (needs ``gradient_checkpointing``) parks those
+    inputs in pinned host memory between forward and backward, prefetched one layer ahead in
+    backward (``offload.py``): for the longest rows. ``logprob_chunk`` positions at a time go
+    through the log-prob head (logits recomputed in backward); ``0`` builds full
+    ``[tokens, vocab]`` float32 logits.
 
     ``attention``: ``auto`` is ``flash_attention_2`` on CUDA when flash-attn is installed
-    (``pip install laminar-fsdp[gpu]``), else ``sdpa``.
+    (``pip install laminar-fsdp[gpu]``), else ``sdpa``; for packed rows it selects the
+    engine's own packed attention, whose kernel is ``packed_attention``: ``flash`` (varlen
+    FlashAttention), ``flex`` (one compiled flex attention call per layer under a document
+    mask), ``sdpa`` (one SDPA call per trajectory per layer); ``auto``: flash where
+    installed, else flex on CUDA, else sdpa (``attention.py``).
+
+    ``compile``: ``inductor`` compiles each decoder layer's forward and the log-prob head's
+    per-chunk math with ``torch.compile``; packed rows are then padded to a multiple of
+    ``compile_bucket`` tokens so compiled graphs are reused across micro-batches.
+    ``aot_eager`` traces the same graphs without code generation (tests, debugging).
+    ``none`` (default): eager (compiling on CPU costs a C++ build per graph).
 
     ``export_bucket_mb``: weights are exported in buckets of about this size (one all-gather
     and one host copy each).
@@ -60,6 +75,10 @@ class FSDPOptions:
     backend: str = "auto"
     param_dtype: str = "auto"
     reshard_after_forward: bool = True
+    packed_attention: str = "auto"
+    compile: str = "none"
+    compile_bucket: int = 1024
+    activation_offload: bool = False
 
     def __post_init__(self) -> None:
         if self.lr_schedule not in LR_SCHEDULES:
@@ -82,6 +101,18 @@ class FSDPOptions:
         if self.logprob_chunk < 0:
             raise ValueError(
                 f"logprob_chunk must be >= 0 (0: full logits), got {self.logprob_chunk}"
+            )
+        if self.packed_attention not in PACKED_KERNELS:
+            known = ", ".join(PACKED_KERNELS)
+            raise ValueError(f"packed_attention: unknown {self.packed_attention!r}; known: {known}")
+        if self.compile not in COMPILE:
+            raise ValueError(f"compile: unknown {self.compile!r}; known: {', '.join(COMPILE)}")
+        if self.compile_bucket < 1:
+            raise ValueError(f"compile_bucket must be >= 1, got {self.compile_bucket}")
+        if self.activation_offload and not self.gradient_checkpointing:
+            raise ValueError(
+                "activation_offload parks checkpointed layers' inputs: set "
+                "gradient_checkpointing: true as well"
             )
         if self.export_bucket_mb <= 0:
             raise ValueError(f"export_bucket_mb must be > 0, got {self.export_bucket_mb}")

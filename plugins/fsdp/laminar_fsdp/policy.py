@@ -52,6 +52,7 @@ class PolicyModel(nn.Module):
         chunk: int = 1024,
         with_entropy: bool = False,
         row: PackedRow | None = None,
+        compiled: bool | str = False,
     ) -> tuple[Tensor, Tensor | None]:
         kw = {"laminar_row": row} if row is not None else {}
         hidden = self.base(
@@ -70,6 +71,7 @@ class PolicyModel(nn.Module):
             chunk,
             bias=getattr(head, "bias", None),
             with_entropy=with_entropy,
+            compiled=compiled,
         )
 
 

@@ -37,3 +37,26 @@ def test_trainer_engine_benchmark_smoke(tmp_path):
     assert saved["saved_mb_ckpt_chunk"] < saved["saved_mb_nockpt_chunk"]
     assert res["engine_longest"] >= 32 and "cap" in res["engine_longest_why"]
     assert "plain torch loop" in run.stdout and "GB/s" in run.stdout
+
+
+def test_trainer_engine_goals_smoke(tmp_path):
+    """``--goals`` (issue 37's rows): every row trains and reports its per-step counts from
+    the profiler, the engine's on its own worker thread too; the long trajectory trains with
+    activation offload."""
+    out = tmp_path / "goals.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    script = ROOT / "benchmarks" / "trainer_engine.py"
+    args = ["--goals", "--smoke", "--cpu", "--rows", "plain,default", "--steps", "1"]
+    run = subprocess.run(
+        [sys.executable, str(script), *args, "--longest", "64", "--longest-offload-only",
+         "--json", str(out)],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    res = json.loads(out.read_text())
+    for row in ("plain", "default"):
+        assert res[f"{row}_tok_s"] > 0, row
+        assert res[f"{row}_aten_ops"] > 100, row  # counted, not an empty profile
+        assert res[f"{row}_launches"] == res[f"{row}_syncs"] == 0  # none exist on CPU
+    assert res["longest_new+ckpt+offload"]["tokens"] == 64
+    assert "launches" in run.stdout and "syncs" in run.stdout

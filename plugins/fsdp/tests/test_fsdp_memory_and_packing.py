@@ -4,7 +4,7 @@
   fraction of what it keeps without (the engine used to leave it inert: eval mode);
 - the chunked log-prob head keeps no ``[tokens, vocab]`` logits; the full path does;
 - packed (padding-free) micro-batches give the log-probs, loss and gradients of padded ones;
-- none of these options changes the numbers;
+- none of these options changes the numbers (activation offload and torch.compile included);
 - tokens a trajectory's ``loss_mask`` marks 0 (a tool's output in a multi-turn episode) count
   for nothing: what the rollout reported for them does not move the loss or the gradients.
 """
@@ -27,6 +27,11 @@ VARIANTS = {
     "padded": {"pack": False},
     "checkpointed": {"gradient_checkpointing": True},
     "full_logits": {"logprob_chunk": 0},
+    # checkpointed layers' inputs parked on the host between forward and backward
+    "offloaded": {"gradient_checkpointing": True, "activation_offload": True},
+    # decoder layers and the head's chunk math through torch.compile, rows padded to buckets
+    # (aot_eager: the traced graphs without inductor's C++ build, which takes minutes here)
+    "compiled": {"compile": "aot_eager", "compile_bucket": 64},
 }
 
 
@@ -94,7 +99,9 @@ def test_chunked_head_keeps_no_vocab_sized_logits(runs):
     assert runs["full_logits"]["saved"].bytes > runs["packed"]["saved"].bytes
 
 
-@pytest.mark.parametrize("variant", ["padded", "checkpointed", "full_logits"])
+@pytest.mark.parametrize(
+    "variant", ["padded", "checkpointed", "full_logits", "offloaded", "compiled"]
+)
 def test_options_do_not_change_the_numbers(runs, variant):
     ref, got = runs["packed"], runs[variant]
     for a, b in zip(got["logprobs"], ref["logprobs"], strict=True):
