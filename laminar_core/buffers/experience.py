@@ -130,6 +130,12 @@ class ExperienceBuffer:
             raise DuplicateTrajectoryError(f"group {group_id} is already expected")
         self._open[group_id] = (Group(group_id, prompt_index, [], batch_tag), samples)
 
+    def expect_more(self, group_id: str, more: int) -> None:
+        """Raise an open group's expected count by ``more`` (an agent session that forked
+        gives several samples for one episode), before they are written."""
+        group, samples = self._open[group_id]
+        self._open[group_id] = (group, samples + more)
+
     def write(self, traj: Trajectory) -> None:
         if traj.traj_id in self._seen:
             raise DuplicateTrajectoryError(f"trajectory {traj.traj_id} written twice")

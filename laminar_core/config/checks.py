@@ -8,9 +8,10 @@ resolved against the plugins (``runtime.resolve``). Each failure is a one-line
 from __future__ import annotations
 
 import difflib
+import re
 
 from laminar_core.config.loader import ConfigError, close_match
-from laminar_core.config.schema import VERSION_POLICIES, LaminarConfig
+from laminar_core.config.schema import AGENT_FORKS, VERSION_POLICIES, LaminarConfig
 
 # synthetic: lengths only (simulator); jsonl/parquet: data.path; task: a registered generator
 DATA_SOURCES = ("synthetic", "jsonl", "parquet", "task")
@@ -35,12 +36,65 @@ def check_values(cfg: LaminarConfig) -> None:
 
 
 def _agent(cfg: LaminarConfig) -> None:
-    policy = cfg.agent.version_policy
+    a = cfg.agent
+    policy = a.version_policy
     if policy not in VERSION_POLICIES:
         raise ConfigError(
             f"agent.version_policy: unknown '{policy}'; known: {', '.join(VERSION_POLICIES)}"
             f"{close_match(policy, VERSION_POLICIES)}"
         )
+    if a.forks not in AGENT_FORKS:
+        raise ConfigError(
+            f"agent.forks: unknown '{a.forks}'; known: {', '.join(AGENT_FORKS)}"
+            f"{close_match(a.forks, AGENT_FORKS)}"
+        )
+    if a.on_sampling_mismatch not in ("override", "reject"):
+        raise ConfigError(
+            f"agent.on_sampling_mismatch: unknown '{a.on_sampling_mismatch}'; known: "
+            "override, reject"
+        )
+    if a.entrypoint and a.command:
+        raise ConfigError(
+            "agent.entrypoint and agent.command are both set: an episode runs one agent; "
+            "keep one of them"
+        )
+    if a.entrypoint and not _ENTRYPOINT.match(a.entrypoint):
+        raise ConfigError(
+            f"agent.entrypoint: '{a.entrypoint}' is not 'package.module:function' "
+            "(an async def run(base_url, api_key, row) -> float | None)"
+        )
+    if a.command and not all(isinstance(x, str) and x for x in a.command):
+        raise ConfigError("agent.command must be a list of non-empty strings, e.g. [python, a.py]")
+    for key, value, low in [
+        ("agent.max_sessions", a.max_sessions, 1),
+        ("agent.max_attempts", a.max_attempts, 1),
+        ("agent.max_calls", a.max_calls, 1),
+        ("agent.max_context_tokens", a.max_context_tokens, 2),
+        ("agent.max_total_tokens", a.max_total_tokens, 2),
+        ("agent.max_samples", a.max_samples, 1),
+        ("agent.call_retries", a.call_retries, 0),
+        ("agent.port", a.port, 0),
+    ]:
+        if value < low:
+            raise ConfigError(f"{key} must be >= {low} (got {value})")
+    if not a.timeout_s > 0:
+        raise ConfigError(f"agent.timeout_s must be > 0 (got {a.timeout_s})")
+    if not (a.entrypoint or a.command):
+        return
+    if cfg.env.name:
+        raise ConfigError(
+            f"agent.{'entrypoint' if a.entrypoint else 'command'} and env.name are both set: "
+            "an agent drives its own loop (its tools are its own); drop env.name"
+        )
+    if a.max_sessions < cfg.data.samples_per_prompt:
+        raise ConfigError(
+            f"agent.max_sessions ({a.max_sessions}) < data.samples_per_prompt "
+            f"({cfg.data.samples_per_prompt}): a prompt's group is that many sessions at once; "
+            "raise agent.max_sessions"
+        )
+
+
+_ENTRYPOINT = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
 
 def _lora(cfg: LaminarConfig) -> None:

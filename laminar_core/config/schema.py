@@ -352,18 +352,57 @@ class EnvConfig:
 
 
 VERSION_POLICIES = ("latest", "pin")
+AGENT_FORKS = ("train", "last")
 
 
 @dataclass
 class AgentConfig:
     """The ``agent:`` section: agents that own their loop, served by the gateway
-    (``docs/agents.md``).
+    (``docs/agents.md``). Set ``entrypoint`` or ``command`` and every rollout is an agent
+    episode: a prompt's group is ``data.samples_per_prompt`` sessions, each running the
+    agent once against the run's gateway (started in the driver with the run); every call
+    goes through the rollout manager, and each closed session's samples are the trainer's
+    trajectories, scored by the agent's reward (or ``reward.fn`` when it returns none).
 
     ``version_policy``: which weights a session's calls get. ``latest``: each call goes to
     a replica of the newest version it can get (a session may span versions; every token
-    records its own); ``pin``: a session's calls all use the version of its first call.
+    records its own); ``pin``: a session's calls all use the version of its first call
+    (the replica serving it cannot load a newer version until the session ends).
     """
 
+    # "package.module:function", an ``async def run(base_url, api_key, row) -> float | None``
+    # run in the driver's event loop per episode (None: reward.fn scores the session)
+    entrypoint: str = ""
+    # a program run per episode as a subprocess (its own process group), with
+    # OPENAI_BASE_URL, OPENAI_API_KEY, LAMINAR_ROW (the row as JSON) and LAMINAR_REWARD_FILE
+    # set; e.g. [python, my_agent.py]
+    command: list[str] = field(default_factory=list)
+    # command: its reward is what it writes to $LAMINAR_REWARD_FILE, else the number after
+    # the last stdout line starting with this prefix, else reward.fn's score of the session
+    reward_prefix: str = "LAMINAR_REWARD="
+    model: str = "policy"  # the model name agents pass (GET /v1/models lists it)
+    max_sessions: int = 64  # sessions (episodes) running at once; >= data.samples_per_prompt
+    timeout_s: float = 300.0  # an episode's wall clock: past it the agent is stopped
+    # runs of one episode: an agent that crashes, hangs past timeout_s or makes no call is
+    # run again on the same row, up to this many times in all; then the sample is failed
+    max_attempts: int = 2
+    max_calls: int = 64  # model calls per session
+    max_context_tokens: int = 4096  # one call's prompt + completion
+    max_total_tokens: int = 32768  # all of a session's samples' tokens
+    max_samples: int = 16  # samples per session (the first one and its forks)
+    # a sample no call extends when the history is rewritten (a fork): "train" trains every
+    # sample of the session with the episode's reward; "last" only the session's last one
+    forks: str = "train"
+    # a call asking for another temperature/top_p: "override" serves the run's and says so,
+    # "reject" answers 400
+    on_sampling_mismatch: str = "override"
+    parser: str = "tool_call"  # the tool-call parser (plugin kind parser)
+    parser_options: dict[str, Any] = field(default_factory=dict)
+    # a call whose replica fails is generated again on another replica this many times,
+    # then answered 503 with Retry-After
+    call_retries: int = 2
+    host: str = "127.0.0.1"  # where the gateway listens
+    port: int = 0  # 0: a free port
     version_policy: str = "latest"
 
 

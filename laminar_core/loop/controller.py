@@ -293,6 +293,7 @@ class Controller:
                 "replica_restarts": self.manager.replica_restarts,
                 "trainer_restarts": self.trainer_restarts,
                 "stale_dropped": self.batches_in.stale_dropped,
+                **self.manager.agent_counters(),
             },
         )
         if self.evaluation is not None and self.evaluation.due(self.step, self.step >= self._steps):

@@ -160,6 +160,8 @@ class Evaluation:
         mgr = self.manager
         loop = asyncio.get_running_loop()
         t0 = loop.time()
+        if mgr.agents is not None:
+            return await self._run_agents(version, t0)
         pending: deque[GenerationRequest] = deque(self._requests(version))
         on: dict[str, int] = {}  # replica id -> eval requests in flight there
         pins: dict[str, Pin] = {}  # no version change with eval work in flight
@@ -245,13 +247,40 @@ class Evaluation:
             seconds=loop.time() - t0,
             reissued=reissued,
         )
+        return self._finish(result)
+
+    async def _run_agents(self, version: int, t0: float) -> EvalResult:
+        """An agent run's round: the agent runs each held-out row once, its calls on
+        replicas holding ``version`` (``AgentRollouts.evaluate``); sampled at the run's
+        temperature, as the gateway serves every call."""
+        mgr = self.manager
+        assert mgr.agents is not None
+        mgr.hold_admission()
+        try:
+            rows = [dict(p.metadata) for p in self.prompts]
+            scores, failed, tokens = await mgr.agents.evaluate(rows, version)
+        finally:
+            mgr.release_admission()
+        return self._finish(
+            EvalResult(
+                version=version,
+                reward=sum(scores) / len(scores) if scores else None,
+                samples=len(scores),
+                failed=failed,
+                response_tokens_mean=sum(tokens) / len(tokens) if tokens else 0.0,
+                seconds=asyncio.get_running_loop().time() - t0,
+                reissued=0,
+            )
+        )
+
+    def _finish(self, result: EvalResult) -> EvalResult:
         self.results.append(result)
-        mgr.events.record(
+        self.manager.events.record(
             EvalRound(
-                t=loop.time(),
+                t=asyncio.get_running_loop().time(),
                 actor="trainer",
                 duration=result.seconds,
-                version=version,
+                version=result.version,
                 reward=result.reward,
                 samples=result.samples,
             )

@@ -33,6 +33,8 @@ from laminar_core.algorithms.config import DynamicSampling
 from laminar_core.buffers import ExperienceBuffer, InFlight, PartialPool, PromptPool
 from laminar_core.buffers.experience import group_rewards
 from laminar_core.interfaces import RepackPolicy, RolloutEngine
+from laminar_core.loop.agent_backend import ManagerTurnBackend
+from laminar_core.loop.agent_sessions import AgentRollouts
 from laminar_core.loop.dispatch import Dispatch
 from laminar_core.loop.episodes import Episodes
 from laminar_core.loop.filtering import FilterWatch
@@ -126,6 +128,10 @@ class RolloutManager:
         if dynamic_sampling is not None:
             self.filter_watch = FilterWatch(dynamic_sampling, options.groups_per_step)
             buffer.on_group = self._group_done
+        # agent runs (agent.entrypoint / agent.command): a group is sessions of the gateway,
+        # whose calls ``agent_backend`` places (``loop.agent_sessions``); set by the runtime
+        self.agents: AgentRollouts | None = None
+        self.agent_backend: ManagerTurnBackend | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
@@ -133,6 +139,8 @@ class RolloutManager:
         if self.episodes is not None:
             await self.episodes.start()
         await asyncio.gather(*(s.engine.start() for s in self.slots))
+        if self.agents is not None:
+            await self.agents.start()
         for relay in {id(s.relay): s.relay for s in self.slots}.values():
             self.updates.watch(relay)
         for s in self.slots:
@@ -149,7 +157,9 @@ class RolloutManager:
 
     async def stop(self) -> None:
         """Stop admitting and generating; in-flight trajectories stay in the partial pool."""
-        await self.tasks.stop()
+        await self.tasks.stop()  # agent episodes are cancelled: their programs killed
+        if self.agents is not None:
+            await self.agents.stop()
         await asyncio.gather(
             *(s.engine.stop() for s in self.slots if s.alive), return_exceptions=True
         )
@@ -313,7 +323,24 @@ class RolloutManager:
 
     @property
     def first_trajectory_at(self) -> float | None:
+        if self.agents is not None:
+            return self.agents.first_trajectory_at
         return self.placement.first_trajectory_at
+
+    def agent_counters(self) -> dict[str, int]:
+        """The agent episodes' counters for the step's metrics row (none without agents)."""
+        a, b = self.agents, self.agent_backend
+        if a is None:
+            return {}
+        return {
+            "agent_sessions_running": a.running,
+            "agent_reruns": a.retried,
+            "agent_failed_episodes": a.failed,
+            "agent_forks": a.forks,
+            "agent_calls": b.calls if b else 0,
+            "agent_call_retries": b.retried if b else 0,
+            "agent_calls_unavailable": b.unavailable if b else 0,
+        }
 
     # -- admission and dispatch ----------------------------------------------------------------
     def _kick(self) -> None:
@@ -343,6 +370,14 @@ class RolloutManager:
             return
         samples = self.prompts.samples
         adm = self.admission
+        if self.agents is not None:  # a group is sessions; their calls find replicas
+            while not self._held and adm.may_admit() and self.agents.has_room(samples):
+                need = adm.min_version(adm.next_tag)
+                if need is not None and need > sup.newest_open:
+                    return  # no open replica is recent enough
+                self.agents.admit(self.prompts.next_group(), adm.next_tag)
+                adm.on_admitted()
+            return
         dispatch = self.dispatch
         while not self._held and adm.may_admit():
             tag = adm.next_tag

@@ -94,7 +94,8 @@ class Repacker:
                     st.kv_use,
                     s.prev_kv,
                     len(s.inflight),
-                    sorted(s.inflight),
+                    # only what it can launch elsewhere (an agent's call is not in the pool)
+                    sorted(t for t in s.inflight if t in self.pool),
                 )
             )
             s.prev_kv = st.kv_use

@@ -25,6 +25,7 @@ from laminar_core.loop.manager import ManagerOptions, ReplicaSlot, RewardFn, Rol
 from laminar_core.loop.schedules import Schedule
 from laminar_core.plugins import PluginManager, default_manager
 from laminar_core.relay.node import NodeRelay
+from laminar_core.runtime.agents import agents_enabled, attach_agents
 from laminar_core.runtime.placement import Placement, plan_placement
 from laminar_core.runtime.resolve import make_schedule
 from laminar_core.runtime.run import Run, Runtime, Started
@@ -148,6 +149,8 @@ def assemble(spec: RunSpec, started: Started, runtime: Runtime) -> Run:
         episodes=episodes,
         dynamic_sampling=sampling,
     )
+    if agents_enabled(cfg):  # every rollout is an agent episode through the gateway
+        attach_agents(manager, cfg, started.tokenizer)
     run_dir = spec.run_dir
     controller = Controller(
         started.trainer,

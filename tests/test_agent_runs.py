@@ -1,0 +1,180 @@
+"""Agent runs for real: ``laminar train``'s runtime with ``agent.entrypoint`` set, on Ray with
+an FSDP trainer and two vLLM replicas; the agent (``agent_run_support``) uses the ``openai``
+client over HTTP against the gateway the run started in its driver.
+
+One run of a few steps, during which episodes crash, hang past their wall clock, return
+without a call, fork their session, and a replica actor is killed while agent calls run on
+it. Checked: every episode is written to the buffer exactly once (as its samples, or as one
+failed trajectory after ``agent.max_attempts`` runs), a crashed or hung run's session is
+never trained, the audit (``rollouts.jsonl``) says what happened to each episode, the
+killed replica's calls were generated again on the other replica and the run went on,
+each trained trajectory records per-token versions, and the eval rounds ran the agent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from laminar_core import FinishReason, load_config
+
+_missing = [
+    m for m in ("laminar_fsdp", "laminar_vllm", "vllm", "openai") if not importlib.util.find_spec(m)
+]
+if _missing:
+    if os.environ.get("LAMINAR_REQUIRE_REAL") == "1":
+        raise ImportError(f"agent-run tests need {_missing}: run scripts/install.sh")
+    pytest.skip(f"real engines not installed ({', '.join(_missing)})", allow_module_level=True)
+
+ray = pytest.importorskip("ray")
+
+import agent_run_support as agent  # noqa: E402
+
+from laminar_core.models import build_tiny_model  # noqa: E402
+from laminar_core.runtime.train import close_run, make_run_dir, start_run  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def agent_run(ray_cluster, tmp_path_factory):
+    model = build_tiny_model(tmp_path_factory.mktemp("model") / "tiny", seed=0)
+    out = tmp_path_factory.mktemp("runs")
+    resolved = load_config(
+        ROOT / "examples" / "agents" / "openai_agent.yaml",
+        [
+            f"model.path={model}",
+            f"run.out_dir={out}",
+            f"run.steps={STEPS}",
+            "run.eval_every=-1",
+            "data.eval_size=4",
+            "run.dump_rollouts=true",
+            "data.prompts_per_step=2",
+            "data.samples_per_prompt=8",
+            "agent.entrypoint=agent_run_support:run",
+            "agent.timeout_s=20",
+            "agent.max_attempts=2",
+            "telemetry.progress=false",
+        ],
+    )
+    killed: dict = {}
+
+    async def kill_a_replica_mid_call(run) -> None:
+        """Kill r1's actor the moment an agent call runs on it (a crash, not a stop)."""
+        slot = run.manager.slots[1]
+        while True:
+            if any(t.startswith("agent:") for t in slot.inflight):
+                killed["inflight"] = sorted(slot.inflight)
+                ray.kill(run.runtime.replica_handles[1], no_restart=True)
+                return
+            await asyncio.sleep(0.005)
+
+    async def go():
+        run_dir = make_run_dir(resolved)
+        run = await start_run(resolved, run_dir)
+        run.controller.keep_batches = True
+        killer = asyncio.ensure_future(kill_a_replica_mid_call(run))
+        try:
+            await run.controller.run(STEPS)
+        finally:
+            killer.cancel()
+            with contextlib.suppress(BaseException):
+                await killer
+            await close_run(run)
+        return run, run_dir
+
+    run, run_dir = asyncio.run(go())
+    return run, run_dir, killed
+
+
+def _trained(run):
+    return [t for b in run.controller.batches for g in b.groups for t in g.trajectories]
+
+
+def test_every_episode_is_written_exactly_once(agent_run) -> None:
+    run, _, _ = agent_run
+    trajs = _trained(run)
+    ids = [t.traj_id for t in trajs]
+    assert len(ids) == len(set(ids))
+    groups = {g.group_id: g for b in run.controller.batches for g in b.groups}
+    assert len(groups) == 2 * STEPS
+    for gid, g in groups.items():
+        episodes = {t.traj_id.split(".")[0] for t in g.trajectories}
+        assert episodes == {f"{gid}-{j}" for j in range(8)}, gid
+        for t in g.trajectories:  # forks share their episode's reward and session
+            main = next(m for m in g.trajectories if m.traj_id == t.traj_id.split(".")[0])
+            assert t.reward == main.reward
+            if t.finish_reason is not FinishReason.FAILED:
+                assert t.metadata["agent"]["session"] == main.metadata["agent"]["session"]
+
+
+def test_failed_runs_are_run_again_and_never_trained(agent_run) -> None:
+    run, run_dir, _ = agent_run
+    by_key: dict[int, list] = {}
+    for t in _trained(run):
+        by_key.setdefault(t.metadata["sample_key"], []).append(t)
+    kinds = {1: "crashed", 2: "timeout", 4: "no_calls"}
+    for key, trajs in by_key.items():
+        a = trajs[0].metadata["agent"]
+        if key % 8 == 3:  # always crashes: failed after two runs, never trained as a sample
+            (t,) = trajs
+            assert t.finish_reason is FinishReason.FAILED and not t.response_ids
+            assert [f["kind"] for f in a["failures"]] == ["crashed", "crashed"]
+            assert "episode" in t.error and a["attempts"] == 2
+            continue
+        assert all(t.finish_reason is not FinishReason.FAILED for t in trajs), key
+        if key % 8 in kinds:
+            assert a["failures"][0]["kind"] == kinds[key % 8], a
+            assert a["attempts"] >= 2
+            # what was trained is the last run's session, not the failed one's
+            assert a["session"] == agent.SESSIONS[key][-1] != agent.SESSIONS[key][0]
+        if key % 8 == 5:
+            assert len(trajs) == 2  # the fork: a sample of its own
+            assert {t.metadata["gateway"]["reason"] for t in trajs} == {
+                "first",
+                "history_rewritten",
+            }
+    # the audit: rollouts.jsonl has each trained trajectory's episode outcome
+    rows = [json.loads(x) for x in (run_dir / "rollouts.jsonl").read_text().splitlines()]
+    assert len(rows) == len(_trained(run))
+    failures = [f["kind"] for r in rows for f in r["metadata"]["agent"]["failures"]]
+    assert {"crashed", "timeout", "no_calls"} <= set(failures)
+    row = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
+    assert row["agent_failed_episodes"] == STEPS * 2  # one always-crashing episode a group
+    assert row["agent_reruns"] >= STEPS * 2 * 4
+
+
+def test_a_replica_killed_mid_call_has_its_calls_generated_again(agent_run) -> None:
+    run, _, killed = agent_run
+    assert killed.get("inflight"), "no agent call ran on r1 before the run ended"
+    backend = run.manager.agent_backend
+    assert backend.retried >= 1  # the killed call, generated again on r0
+    assert run.manager.replica_restarts >= 1 or "r1" in run.manager.failed_replicas
+    # the calls after the kill were served (by r0, or r1 restarted): the run went on
+    assert len(run.controller.batches) == STEPS
+
+
+def test_trained_samples_record_versions_per_token(agent_run) -> None:
+    run, _, _ = agent_run
+    for t in _trained(run):
+        if t.finish_reason is FinishReason.FAILED:
+            continue
+        assert len(t.token_versions) == len(t.response_ids) == len(t.loss_mask)
+        calls = t.metadata["gateway"]["calls"]
+        assert sorted({c["version"] for c in calls}) == t.versions
+        assert t.replicas == [c["replica"] for c in calls]
+        assert t.reward is not None
+
+
+def test_eval_rounds_run_the_agent(agent_run) -> None:
+    _, run_dir, _ = agent_run
+    row = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
+    assert row["eval_samples"] == 4 and row["eval_version"] == STEPS
+    assert "eval_reward" in row
