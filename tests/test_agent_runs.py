@@ -147,7 +147,8 @@ def test_failed_runs_are_run_again_and_never_trained(agent_run) -> None:
     failures = [f["kind"] for r in rows for f in r["metadata"]["agent"]["failures"]]
     assert {"crashed", "timeout", "no_calls"} <= set(failures)
     row = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
-    assert row["agent_failed_episodes"] == STEPS * 2  # one always-crashing episode a group
+    # counters include groups admitted ahead of the last trained step
+    assert row["agent_failed_episodes"] >= STEPS * 2  # one always-crashing episode a group
     assert row["agent_reruns"] >= STEPS * 2 * 4
 
 

@@ -79,5 +79,10 @@ class RolloutDump:
 
 
 def _plain(v: Any) -> bool:
-    """JSON-safe scalars only: metadata can carry arbitrary task objects."""
+    """JSON-safe values only (scalars, and lists and string-keyed dicts of them, such as an
+    agent episode's record): metadata can carry arbitrary task objects."""
+    if isinstance(v, (list, tuple)):
+        return all(_plain(x) for x in v)
+    if isinstance(v, dict):
+        return all(isinstance(k, str) and _plain(x) for k, x in v.items())
     return isinstance(v, (str, int, float, bool)) or v is None
