@@ -126,6 +126,7 @@ def test_an_entrypoint_runs_in_the_loop_with_its_outcome_named() -> None:
         (["agent.command=[x]", "agent.max_sessions=4"], "raise agent.max_sessions"),
         (["agent.forks=all"], "agent.forks: unknown 'all'"),
         (["agent.timeout_s=0"], "agent.timeout_s must be > 0"),
+        (["agent.command=[x]", "data.samples_per_prompt=2"], "needs a real rollout engine"),
         (["agent.max_attempts=0"], "agent.max_attempts must be >= 1"),
     ],
 )

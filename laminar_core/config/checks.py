@@ -92,6 +92,11 @@ def _agent(cfg: LaminarConfig) -> None:
             f"({cfg.data.samples_per_prompt}): a prompt's group is that many sessions at once; "
             "raise agent.max_sessions"
         )
+    if cfg.rollout.engine == "sim":
+        raise ConfigError(
+            "agent.* needs a real rollout engine (the gateway serves text; simulated replicas "
+            "produce none): set rollout.engine to vllm or sglang"
+        )
 
 
 _ENTRYPOINT = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
