@@ -58,6 +58,7 @@ class Manager(Protocol):
     admission: Any  # the schedule's admission rule: min_version per batch tag
     opt: Any  # ManagerOptions: max_concurrent
     placement: Any  # kick(): dispatch again
+    tasks: Any  # ManagerTasks: stopping
 
     def fail_replica(self, slot: ReplicaSlot, reason: str) -> None: ...
 
@@ -119,6 +120,8 @@ class ManagerTurnBackend(TurnBackend):
             slot = self._choose(request)
             if slot is not None:
                 return slot
+            if self.manager.tasks.stopping:
+                raise BackendUnavailable("the run is stopping", retry_after_s=5.0)
             if not any(s.alive or s.phase is RESTARTING for s in self.manager.slots):
                 raise BackendUnavailable("every replica has failed", retry_after_s=5.0)
             await asyncio.sleep(_POLL_S)
