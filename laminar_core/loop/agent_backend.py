@@ -64,7 +64,13 @@ class Manager(Protocol):
 
 
 class _Retry(Exception):
-    """This attempt produced nothing usable; generate the call again elsewhere."""
+    """This attempt produced nothing usable; generate the call again elsewhere.
+    ``failure``: it counts against ``retries`` (a replica failed; an interrupt for a
+    weight update or a repack does not)."""
+
+    def __init__(self, message: str, failure: bool = True) -> None:
+        super().__init__(message)
+        self.failure = failure
 
 
 class ManagerTurnBackend(TurnBackend):
@@ -134,7 +140,8 @@ class ManagerTurnBackend(TurnBackend):
             try:
                 result = await self._run(slot, request)
             except _Retry as e:
-                attempt += 1
+                if e.failure:
+                    attempt += 1
                 if attempt > self.retries:
                     self.unavailable += 1
                     raise BackendUnavailable(
@@ -142,11 +149,10 @@ class ManagerTurnBackend(TurnBackend):
                     ) from None
                 self.retried += 1
                 log.warning(
-                    "gateway call %s#%d: %s; generating it again (attempt %d)",
+                    "gateway call %s#%d: %s; generating it again",
                     request.sample_id,
                     request.call_index,
                     e,
-                    attempt + 1,
                 )
                 continue
             self.calls += 1
@@ -192,8 +198,10 @@ class ManagerTurnBackend(TurnBackend):
             if not slot.inflight:
                 slot.wake.set()  # it may pull a newer version now
             self.manager.placement.kick()
-        if traj.finish_reason in (FinishReason.ABORTED, FinishReason.FAILED):
-            raise _Retry(f"replica {rid} cut it off ({traj.finish_reason.value}: {traj.error})")
+        if traj.finish_reason is FinishReason.ABORTED:  # a partial-rollout interrupt
+            raise _Retry(f"replica {rid} interrupted it", failure=False)
+        if traj.finish_reason is FinishReason.FAILED:
+            raise _Retry(f"replica {rid} failed it ({traj.error})")
         versions = traj.versions or [traj.version]
         if len(set(versions)) > 1:  # a turn is one version's (module docstring)
             raise _Retry(f"replica {rid} generated it with versions {versions}")
