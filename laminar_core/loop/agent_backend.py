@@ -88,6 +88,10 @@ class ManagerTurnBackend(TurnBackend):
         self.calls = 0  # served
         self.retried = 0  # attempts generated again (replica failed, call cut off)
         self.unavailable = 0  # answered BackendUnavailable
+        # a session's later calls: on the replica of its previous call (whose KV cache may
+        # hold the session's prefix) or elsewhere (its whole context is prefilled again)
+        self.stayed = 0
+        self.moved = 0
 
     # -- placement ---------------------------------------------------------------------------
     def _need(self, request: TurnRequest) -> int | None:
@@ -156,6 +160,12 @@ class ManagerTurnBackend(TurnBackend):
                 )
                 continue
             self.calls += 1
+            home = self._home.get(request.session_id)
+            if home is not None:
+                if home == result.replica:
+                    self.stayed += 1
+                else:
+                    self.moved += 1
             self._home[request.session_id] = result.replica
             return result
 

@@ -340,6 +340,8 @@ class RolloutManager:
             "agent_calls": b.calls if b else 0,
             "agent_call_retries": b.retried if b else 0,
             "agent_calls_unavailable": b.unavailable if b else 0,
+            "agent_calls_same_replica": b.stayed if b else 0,
+            "agent_calls_other_replica": b.moved if b else 0,
         }
 
     # -- admission and dispatch ----------------------------------------------------------------
