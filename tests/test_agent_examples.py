@@ -33,7 +33,7 @@ from laminar_core.models import build_tiny_model  # noqa: E402
 from laminar_core.runtime.train import close_run, make_run_dir, start_run  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS, EVAL_EVERY = 12, 6
+STEPS, EVAL_EVERY = 10, 5
 
 
 @pytest.fixture(scope="module")
