@@ -38,6 +38,7 @@ import agent_run_support as agent  # noqa: E402
 
 from laminar_core.models import build_tiny_model  # noqa: E402
 from laminar_core.runtime.train import close_run, make_run_dir, start_run  # noqa: E402
+from laminar_core.testing.audit import audit_run  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 3
@@ -146,6 +147,8 @@ def test_failed_runs_are_run_again_and_never_trained(agent_run) -> None:
     assert len(rows) == len(_trained(run))
     failures = [f["kind"] for r in rows for f in r["metadata"]["agent"]["failures"]]
     assert {"crashed", "timeout", "no_calls"} <= set(failures)
+    # the outside observer's audit agrees: nothing lost, nothing trained twice
+    assert audit_run(run_dir).problems == []
     row = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
     # counters include groups admitted ahead of the last trained step
     assert row["agent_failed_episodes"] >= STEPS * 2  # one always-crashing episode a group
