@@ -17,7 +17,7 @@ session and decides whether the episode runs again.
   when the run stops) the whole process group is killed (SIGTERM, then SIGKILL after a
   grace period), and it is killed once the program exits too, so nothing it started in its
   group outlives the episode. (A child that puts itself in a new session escapes any
-  process group: run such agents in ``laminar-sandbox``.)
+  process group; running commands inside ``laminar-sandbox`` is not built yet.)
 """
 
 from __future__ import annotations
