@@ -33,7 +33,7 @@ from laminar_core.models import build_tiny_model  # noqa: E402
 from laminar_core.runtime.train import close_run, make_run_dir, start_run  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS, EVAL_EVERY = 10, 5
+STEPS, EVAL_EVERY = 14, 7
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +49,7 @@ def test_an_agent_example_learns(name, model, ray_cluster, tmp_path, monkeypatch
         f"run.out_dir={tmp_path}",
         f"run.steps={STEPS}",
         f"run.eval_every={EVAL_EVERY}",
+        "data.eval_size=32",  # less noise in the comparison of two rounds
         "telemetry.progress=false",
     ]
     if name == "cli_agent":
