@@ -88,6 +88,7 @@ def agent_run(ray_cluster, tmp_path_factory):
             killer.cancel()
             with contextlib.suppress(BaseException):
                 await killer
+            run.events.write_jsonl(run_dir / "events.jsonl")  # what laminar train writes
             await close_run(run)
         return run, run_dir
 
