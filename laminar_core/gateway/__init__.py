@@ -12,7 +12,10 @@ ids, untrusted text kept plain), ``tool_calls`` (the model's turn as content and
 ``tool_calls``), ``capture`` (a sample's ids, mask, log-probs, versions), ``session``
 (extending or forking samples, budgets), ``backend`` (the ``TurnBackend`` contract),
 ``engine_backend`` (one on rollout engines directly), ``service`` (a call, without HTTP),
-``responses`` (OpenAI's response and stream shapes), ``server`` (FastAPI + uvicorn).
+``responses`` (OpenAI's response and stream shapes), ``server`` (FastAPI + uvicorn),
+``runners`` (an agent episode: ``agent.entrypoint`` or ``agent.command``). The rollout
+manager's backend and the episodes of a run are ``loop.agent_backend`` and
+``loop.agent_sessions``.
 """
 
 from laminar_core.gateway.backend import BackendUnavailable, TurnBackend, TurnRequest, TurnResult
