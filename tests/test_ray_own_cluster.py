@@ -22,6 +22,9 @@ from laminar_core.runtime.ray_run import init_ray
 resolved = load_config(None, ["runtime.kind=ray"])
 assert init_ray(resolved, 1.0) is True  # started a cluster of its own
 print("cpus", ray.cluster_resources().get("CPU"))
+import psutil
+for p in psutil.Process().children(recursive=True):
+    print("process", " ".join(p.cmdline()))
 ray.shutdown()
 """
 
@@ -35,3 +38,9 @@ def test_a_driver_that_imported_ray_first_starts_and_joins_its_own_cluster():
     assert out.returncode == 0, out.stderr[-3000:]
     assert "cpus" in out.stdout
     assert "InvalidAuthToken" not in out.stderr
+    # only what a run uses (runtime.ray_head): no autoscaler monitor, no API server, and
+    # no log monitor (engine output goes to RUN_DIR/logs/, not the terminal)
+    started = [line for line in out.stdout.splitlines() if line.startswith("process ")]
+    assert any("raylet" in line for line in started), started
+    for daemon in ("autoscaler/_private/monitor.py", "dashboard/dashboard.py", "log_monitor.py"):
+        assert not any(daemon in line for line in started), (daemon, started)

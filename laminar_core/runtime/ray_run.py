@@ -47,6 +47,7 @@ from laminar_core.relay.shm import run_dir_name, sweep_orphans
 from laminar_core.relay.tier import RelayTier
 from laminar_core.runtime.hosts import RolloutHost, TrainerHost
 from laminar_core.runtime.proxies import RayRolloutEngine, RayTrainerGroup, RemotePush
+from laminar_core.runtime.ray_head import lean_head
 from laminar_core.runtime.relay_actor import RayRelay, relay_actor, spawn_relay
 from laminar_core.runtime.run import Run, Started
 from laminar_core.runtime.wiring import RunSpec, assemble, relay_tier_options
@@ -97,17 +98,19 @@ def init_ray(resolved: ResolvedConfig, needed_cpus: float) -> bool:
     notice.setLevel(logging.ERROR)
     try:
         # address="local": a cluster of its own, even if another one on this machine left
-        # its address in /tmp/ray (ray.init() would try to join that one)
-        ray.init(
-            address="local",
-            num_cpus=cpus,
-            include_dashboard=False,
-            # Ray starts idle workers for tasks when a driver connects; a run starts only
-            # actors, each in a worker of its own, so those idle workers would just take
-            # CPU from start-up (~0.7 s of it on the 2-core machine) and be killed
-            _system_config={"prestart_worker_first_driver": False},
-            **kwargs,
-        )
+        # its address in /tmp/ray (ray.init() would try to join that one); without the
+        # daemons the run never talks to (``runtime.ray_head``)
+        with lean_head(log_monitor=kwargs["log_to_driver"]):
+            ray.init(
+                address="local",
+                num_cpus=cpus,
+                include_dashboard=False,
+                # Ray starts idle workers for tasks when a driver connects; a run starts
+                # only actors, each in a worker of its own, so those idle workers would just
+                # take CPU from start-up (~0.7 s of it on the 2-core machine) and be killed
+                _system_config={"prestart_worker_first_driver": False},
+                **kwargs,
+            )
     finally:
         notice.setLevel(level)
     return True
