@@ -157,7 +157,9 @@ class VLLMRolloutEngine(RolloutEngine):
             if in_process:
                 from laminar_vllm.inproc import InprocLLM
 
-                self._llm = InprocLLM.from_engine_args(args, stat_loggers=[self._stat_logger()])
+                self._llm = InprocLLM.from_engine_args(
+                    args, stat_loggers=[self._stat_logger()], eager=self.opt.enforce_eager
+                )
             else:
                 self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[self._stat_logger()])
         except Exception as e:

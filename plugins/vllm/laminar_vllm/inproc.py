@@ -36,7 +36,7 @@ _END = object()  # a stream's end marker (the request finished or was aborted)
 class InprocLLM:
     """The subset of ``AsyncLLM`` a replica uses, with the engine core in this process."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Any, eager: bool = False) -> None:
         self.engine = engine
         self.vllm_config = engine.vllm_config
         self.errored = False
@@ -44,19 +44,27 @@ class InprocLLM:
         self._streams: dict[str, asyncio.Queue] = {}
         self._lock = asyncio.Lock()
         self._wake = asyncio.Event()
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="vllm-step")
+        # the thread every step runs on: ``eager`` holds there too (dynamo's flag is per thread)
+        self._pool = ThreadPoolExecutor(
+            1, thread_name_prefix="vllm-step", initializer=eager_only if eager else None
+        )
         self._driver: asyncio.Task | None = None
         self._aborts: set[asyncio.Future] = set()  # held until done (the loop keeps weak refs)
 
     @classmethod
-    def from_engine_args(cls, args: Any, stat_loggers: list | None = None) -> InprocLLM:
-        """Build the engine from ``AsyncEngineArgs`` (an ``EngineArgs``) in this process."""
+    def from_engine_args(
+        cls, args: Any, stat_loggers: list | None = None, eager: bool = False
+    ) -> InprocLLM:
+        """Build the engine from ``AsyncEngineArgs`` (an ``EngineArgs``) in this process;
+        ``eager``: nothing is compiled (``eager_only``), in this thread and the step's."""
         from vllm.v1.engine.llm_engine import LLMEngine
 
+        if eager:
+            eager_only()
         engine = LLMEngine.from_engine_args(
             args, stat_loggers=stat_loggers, enable_multiprocessing=False
         )
-        return cls(engine)
+        return cls(engine, eager)
 
     # -- requests ----------------------------------------------------------------------------
     async def generate(
@@ -193,3 +201,20 @@ class InprocLLM:
         for queue in self._streams.values():
             queue.put_nowait(RuntimeError(f"the vLLM engine died: {error!r}"))
         self._streams.clear()
+
+
+def eager_only() -> None:
+    """No ``torch.compile`` in the calling thread: what it would compile runs eagerly.
+
+    With ``enforce_eager`` vLLM runs the model eagerly, but still decorates a few small
+    functions with ``torch.compile`` (on CPU: the sampled token's log-prob rank,
+    ``batched_count_greater_than``), and the first step compiles them with inductor: a
+    vector-ISA probe and g++ runs in subprocesses. On the 2-core machine that was ~1 s of CPU
+    in each replica and ~2-6 s more in its compilers, between the replicas' start and the
+    first trajectory, for an op that runs as fast eagerly on a replica's batch. Dynamo's
+    ``disable`` flag is per thread (a user override of torch's config is thread-local), so
+    it is set in each thread that builds or steps the engine.
+    """
+    import torch._dynamo
+
+    torch._dynamo.config.disable = True

@@ -14,7 +14,9 @@ class VLLMOptions:
     ``dtype``: ``auto`` takes ``model.dtype``. ``kv_cache_mb``: KV-cache memory per replica
     (0: vLLM's own sizing from ``gpu_memory_utilization``; on CPU give a figure, since vLLM
     otherwise reserves most of the host's memory). ``max_num_seqs``: continuous-batching
-    width. ``enforce_eager``: no CUDA graphs / compilation (fast start, the CPU default).
+    width. ``enforce_eager``: no CUDA graphs / compilation (fast start, the CPU default); with
+    the core in the replica's process, vLLM's small ``torch.compile``'d helpers run eagerly
+    too (no inductor compile on the first ``generate``).
     ``engine_core``: where vLLM's engine core (scheduler + model) runs. ``process``: its own
     process under ``AsyncLLM`` (vLLM's usual layout). ``inproc``: inside the replica's
     process (``laminar_vllm.inproc``), one process and one vLLM import fewer per replica;

@@ -278,18 +278,26 @@ def test_engine_core_in_this_process():
 
 def test_the_inproc_core_starts_no_process(model_dir):
     """In process, a started replica has no child process (``process`` mode has vLLM's
-    engine core as one), in a fresh interpreter."""
+    engine core as one), and its first ``generate`` compiles nothing (with
+    ``enforce_eager``, vLLM's ``torch.compile``'d helpers run eagerly: no inductor and g++
+    runs per replica), in a fresh interpreter."""
     import subprocess
     import sys
 
     script = f"""
 import asyncio, psutil
+import torch._dynamo.utils
+from laminar_core import GenerationRequest, SamplingParams
 from laminar_vllm import VLLMOptions, VLLMRolloutEngine
 async def main():
     eng = VLLMRolloutEngine("r0", {model_dir!r}, VLLMOptions(
         kv_cache_mb=32, max_model_len=256, max_num_seqs=16, engine_core="inproc"))
     await eng.start()
     print("children", len(psutil.Process().children(recursive=True)))
+    request = GenerationRequest("t0", "g0", [1, 2, 3], sampling=SamplingParams(max_tokens=4))
+    traj = await eng.generate(request)
+    assert len(traj.logprobs) == len(traj.response_ids) > 0
+    print("compiled graphs", torch._dynamo.utils.counters["stats"]["unique_graphs"])
     await eng.stop()
 if __name__ == "__main__":
     asyncio.run(main())
@@ -299,6 +307,7 @@ if __name__ == "__main__":
     )
     assert done.returncode == 0, done.stderr[-4000:]
     assert "children 0" in done.stdout, done.stdout
+    assert "compiled graphs 0" in done.stdout, done.stdout
 
 
 def test_an_unknown_engine_core_is_a_clear_error():
