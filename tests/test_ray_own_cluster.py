@@ -22,7 +22,13 @@ from laminar_core.runtime.ray_run import init_ray
 resolved = load_config(None, ["runtime.kind=ray"])
 assert init_ray(resolved, 1.0) is True  # started a cluster of its own
 print("cpus", ray.cluster_resources().get("CPU"))
-import psutil
+import os, psutil
+
+@ray.remote
+def worker():
+    return os.environ.get("TOKENIZERS_PARALLELISM"), dict(ray.get_runtime_context().runtime_env)
+
+print("worker env %s, runtime env %s" % ray.get(worker.remote()))
 for p in psutil.Process().children(recursive=True):
     print("process", " ".join(p.cmdline()))
 ray.shutdown()
@@ -31,6 +37,7 @@ ray.shutdown()
 
 def test_a_driver_that_imported_ray_first_starts_and_joins_its_own_cluster():
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env.pop("TOKENIZERS_PARALLELISM", None)  # what the workers get from WORKER_ENV
     env["OMP_NUM_THREADS"] = "1"
     out = subprocess.run(
         [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300
@@ -44,3 +51,6 @@ def test_a_driver_that_imported_ray_first_starts_and_joins_its_own_cluster():
     assert any("raylet" in line for line in started), started
     for daemon in ("autoscaler/_private/monitor.py", "dashboard/dashboard.py", "log_monitor.py"):
         assert not any(daemon in line for line in started), (daemon, started)
+    # the workers' environment (WORKER_ENV) comes from the raylet, not a runtime env (with
+    # one, every worker starts as setup_worker.py first)
+    assert "worker env false, runtime env {}" in out.stdout, out.stdout[-2000:]

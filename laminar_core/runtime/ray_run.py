@@ -80,13 +80,12 @@ def init_ray(resolved: ResolvedConfig, needed_cpus: float) -> bool:
     rt = resolved.cfg.runtime
     env = {k: os.environ.get(k, v) for k, v in WORKER_ENV.items()}
     kwargs: dict[str, Any] = {
-        "runtime_env": {"env_vars": env},
         "logging_level": logging.WARNING,
         # engine output goes to RUN_DIR/logs/ (the actors write there), not the terminal
         "log_to_driver": resolved.cfg.telemetry.engine_logs == "terminal",
     }
     if rt.address:
-        ray.init(address=rt.address, **kwargs)
+        ray.init(address=rt.address, runtime_env={"env_vars": env}, **kwargs)
         return False
     cpus = rt.num_cpus or max(int(needed_cpus + 0.999), os.cpu_count() or 1)
     # A cluster of our own has token authentication on (Ray's default for a new local
@@ -100,7 +99,9 @@ def init_ray(resolved: ResolvedConfig, needed_cpus: float) -> bool:
         # address="local": a cluster of its own, even if another one on this machine left
         # its address in /tmp/ray (ray.init() would try to join that one); without the
         # daemons the run never talks to (``runtime.ray_head``)
-        with lean_head(log_monitor=kwargs["log_to_driver"]):
+        with lean_head(log_monitor=kwargs["log_to_driver"], worker_env=env) as lean:
+            if not lean:  # the workers get the variables through a runtime env instead
+                kwargs["runtime_env"] = {"env_vars": env}
             ray.init(
                 address="local",
                 num_cpus=cpus,
