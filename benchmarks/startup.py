@@ -127,12 +127,15 @@ def _env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
 
 
-def measure(laminar: str, cwd: Path, config: str, model: str, out: str) -> dict:
-    """One ``laminar train CONFIG run.steps=2`` (``laminar``: the command, run in ``cwd``),
-    sampled: its start-up line, first trajectory, and CPU seconds by kind until then."""
+def measure(
+    laminar: str, cwd: Path, config: str, model: str, out: str, extra: list[str] = ()
+) -> dict:
+    """One ``laminar train CONFIG run.steps=2 [extra]`` (``laminar``: the command, run in
+    ``cwd``), sampled: its start-up line, first trajectory, and CPU seconds by kind until
+    then."""
     cmd = [
         laminar, "train", config, f"model.path={model}", "run.steps=2",
-        "run.checkpoint_every=0", f"run.out_dir={out}",
+        "run.checkpoint_every=0", f"run.out_dir={out}", *extra,
     ]  # fmt: skip
     proc = subprocess.Popen(
         cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env()
@@ -176,7 +179,7 @@ def compare(a: argparse.Namespace) -> None:
         for name, (laminar, cwd) in arms.items():
             with tempfile.TemporaryDirectory() as out:
                 try:
-                    m = measure(laminar, cwd, a.config, a.model, out)
+                    m = measure(laminar, cwd, a.config, a.model, out, a.set)
                 except RuntimeError as e:  # a loaded machine: Ray's node start can time out
                     say(f"round {r} {name}: failed, not counted: {str(e).splitlines()[-1]}")
                     continue
@@ -223,6 +226,14 @@ def main() -> None:
         help="another checkout (with its .venv) to compare with, alternating runs",
     )
     ap.add_argument("--rounds", type=int, default=2, help="with --baseline: runs of each")
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a config override for every run (e.g. runtime.start_timeout_s=900 on a "
+        "loaded machine)",
+    )
     a = ap.parse_args()
     if not Path(a.model, "config.json").exists():
         subprocess.run(["laminar", "tiny-model", a.model], check=True, env=_env())
@@ -232,7 +243,7 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory() as out:
         try:
-            m = measure("laminar", ROOT, a.config, a.model, out)
+            m = measure("laminar", ROOT, a.config, a.model, out, a.set)
         except RuntimeError as e:
             sys.exit(str(e))
     sampler, until, first, cpu = m["sampler"], m["until"], m["first_trajectory_seconds"], m["cpu"]
