@@ -83,7 +83,7 @@ def stack(request, tmp_path_factory):
 
     from laminar_vllm import VLLMOptions, VLLMRolloutEngine
 
-    model_dir = str(cached_tool_model(request.config.cache, tmp_path_factory))
+    model_dir = str(cached_tool_model(getattr(request.config, "cache", None), tmp_path_factory))
     rt = Loop()
     engine = VLLMRolloutEngine(
         "r0",
