@@ -54,6 +54,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import _sampling
 import torch
 from _common import ROOT, say, table
 
@@ -102,37 +103,13 @@ class Policy:
 
     def sample(self, model, prompts: list[list[int]], max_tokens: int):
         """Sampled responses ``[N, T]``, their mask, and the prompt batch."""
-        tok = self.tok
-        plen = max(map(len, prompts))
-        ids = torch.tensor([[tok.pad_token_id] * (plen - len(p)) + p for p in prompts])
-        attn = (
-            torch.arange(plen) >= torch.tensor([plen - len(p) for p in prompts])[:, None]
-        ).long()
-        model.eval()
-        with torch.no_grad():
-            out = model.generate(
-                input_ids=ids, attention_mask=attn, do_sample=True, temperature=self.t,
-                top_k=0, top_p=1.0, max_new_tokens=max_tokens,
-                eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-            )  # fmt: skip
-        resp = out[:, plen:]
-        is_eos = resp == tok.eos_token_id
-        mask = ~((is_eos.cumsum(1) - is_eos.long()) > 0)  # up to and including the first EOS
-        return ids, attn, resp, mask
+        return _sampling.sample(model, self.tok, prompts, self.t, max_tokens)
 
     def logprobs(self, model, ids, attn, resp, mask):
-        full = torch.cat([ids, resp], 1)
-        full_mask = torch.cat([attn, mask.long()], 1)
-        pos = (full_mask.cumsum(1) - 1).clamp_min(0)
-        logits = model(input_ids=full, attention_mask=full_mask, position_ids=pos).logits
-        logits = logits[:, ids.shape[1] - 1 : -1].float()
-        return torch.log_softmax(logits / self.t, -1).gather(-1, resp[..., None])[..., 0]
+        return _sampling.logprobs(model, ids, attn, resp, mask, self.t)
 
     def texts(self, resp, mask) -> list[str]:
-        return [
-            self.tok.decode(r[m].tolist(), skip_special_tokens=True)
-            for r, m in zip(resp, mask, strict=True)
-        ]
+        return _sampling.texts(self.tok, resp, mask)
 
 
 def loop_arm(arm: str, seed: int, a: argparse.Namespace) -> dict:

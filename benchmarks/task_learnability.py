@@ -16,6 +16,7 @@ import random
 import tempfile
 import time
 
+import _sampling
 import torch
 from _common import say
 
@@ -76,40 +77,16 @@ def main() -> None:
     )
     algo = AlgorithmConfig()
     rng = random.Random(args.seed)
-    eos, pad = tok.eos_token_id, tok.pad_token_id
     rows, t0 = [], time.perf_counter()
     say(f"model params: {sum(p.numel() for p in model.parameters()):,}; args: {vars(args)}")
     for step in range(args.steps):
         batch = [task[rng.randrange(len(task))] for _ in range(args.prompts)]
         prompts = [tok.encode(r["prompt"], add_special_tokens=False) for r in batch]
         prompts = [p for p in prompts for _ in range(args.samples)]
-        plen = max(map(len, prompts))
-        ids = torch.tensor([[pad] * (plen - len(p)) + p for p in prompts])
-        attn = (
-            torch.arange(plen) >= torch.tensor([plen - len(p) for p in prompts])[:, None]
-        ).long()
-        model.eval()
-        with torch.no_grad():
-            out = model.generate(
-                input_ids=ids,
-                attention_mask=attn,
-                do_sample=True,
-                temperature=args.temperature,
-                top_k=0,
-                top_p=1.0,
-                max_new_tokens=args.max_tokens,
-                eos_token_id=eos,
-                pad_token_id=pad,
-            )
-        resp = out[:, plen:]
-        # Response tokens up to and including the first EOS (what a rollout engine returns).
-        is_eos = resp == eos
-        after = (is_eos.cumsum(1) - is_eos.long()) > 0
-        mask = ~after & (torch.arange(resp.shape[1]) < resp.shape[1])
-        texts = [
-            tok.decode(r[m].tolist(), skip_special_tokens=True)
-            for r, m in zip(resp, mask, strict=True)
-        ]
+        ids, attn, resp, mask = _sampling.sample(
+            model, tok, prompts, args.temperature, args.max_tokens
+        )
+        texts = _sampling.texts(tok, resp, mask)
         rewards = torch.tensor(
             [repeat_reward(t, batch[i // args.samples]) for i, t in enumerate(texts)]
         )
@@ -117,12 +94,7 @@ def main() -> None:
         adv = compute_advantages("grpo", rewards, groups)
 
         model.train()
-        full = torch.cat([ids, resp], 1)
-        full_mask = torch.cat([attn, mask.long()], 1)
-        pos = (full_mask.cumsum(1) - 1).clamp_min(0)
-        logits = model(input_ids=full, attention_mask=full_mask, position_ids=pos).logits
-        logits = logits[:, plen - 1 : -1].float()
-        logp = torch.log_softmax(logits / args.temperature, -1).gather(-1, resp[..., None])[..., 0]
+        logp = _sampling.logprobs(model, ids, attn, resp, mask, args.temperature)
         loss, _ = policy_loss(algo, logp, logp.detach(), adv, mask)
         opt.zero_grad()
         loss.backward()
@@ -137,7 +109,7 @@ def main() -> None:
             "len_mean": lengths.mean().item(),
             "len_p50": lengths.median().item(),
             "len_max": lengths.max().item(),
-            "stopped": is_eos.any(1).float().mean().item(),
+            "stopped": (resp == tok.eos_token_id).any(1).float().mean().item(),
             "wall_s": time.perf_counter() - t0,
         }
         rows.append(row)
