@@ -10,27 +10,23 @@ to the last, and every trained trajectory must be an agent session's sample.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
-import os
 import sys
 from pathlib import Path
 
 import pytest
 
 from laminar_core import FinishReason, load_config
+from laminar_core.testing import require_modules
 
-_NEEDED = ("laminar_fsdp", "laminar_vllm", "vllm", "openai", "agents")
-_missing = [m for m in _NEEDED if not importlib.util.find_spec(m)]
-if _missing:
-    if os.environ.get("LAMINAR_REQUIRE_REAL") == "1":
-        raise ImportError(f"the agent examples need {_missing}: run scripts/install.sh")
-    pytest.skip(f"not installed: {', '.join(_missing)}", allow_module_level=True)
+require_modules(
+    "laminar_fsdp", "laminar_vllm", "vllm", "openai", "agents", what="the agent examples"
+)
 
 pytest.importorskip("ray")
 
-from laminar_core.models import build_tiny_model  # noqa: E402
-from laminar_core.runtime.train import close_run, make_run_dir, start_run  # noqa: E402
+from laminar_core.models import build_tiny_model
+from laminar_core.runtime.train import close_run, make_run_dir, start_run
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS, EVAL_EVERY = 14, 7

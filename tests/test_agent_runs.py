@@ -15,30 +15,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib.util
 import json
-import os
 from pathlib import Path
 
 import pytest
 
 from laminar_core import FinishReason, load_config
+from laminar_core.testing import require_modules
 
-_missing = [
-    m for m in ("laminar_fsdp", "laminar_vllm", "vllm", "openai") if not importlib.util.find_spec(m)
-]
-if _missing:
-    if os.environ.get("LAMINAR_REQUIRE_REAL") == "1":
-        raise ImportError(f"agent-run tests need {_missing}: run scripts/install.sh")
-    pytest.skip(f"real engines not installed ({', '.join(_missing)})", allow_module_level=True)
+require_modules("laminar_fsdp", "laminar_vllm", "vllm", "openai", what="agent-run tests")
 
 ray = pytest.importorskip("ray")
 
-import agent_run_support as agent  # noqa: E402
+import agent_run_support as agent
 
-from laminar_core.models import build_tiny_model  # noqa: E402
-from laminar_core.runtime.train import close_run, make_run_dir, start_run  # noqa: E402
-from laminar_core.testing.audit import audit_run  # noqa: E402
+from laminar_core.models import build_tiny_model
+from laminar_core.runtime.train import close_run, make_run_dir, start_run
+from laminar_core.testing.audit import audit_run
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 3

@@ -17,27 +17,29 @@ FSDP + vLLM is ``tests/test_real_training.py`` (the quickstart itself, in more d
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
-import os
 from pathlib import Path
 
 import pytest
 
 from laminar_core import load_config
+from laminar_core.testing import require_modules
 
-NEEDED = ("laminar_fsdp", "laminar_vllm", "laminar_megatron", "laminar_sglang", "sglang", "vllm")
-_missing = [m for m in NEEDED if not importlib.util.find_spec(m)]
-if _missing:
-    if os.environ.get("LAMINAR_REQUIRE_REAL") == "1":
-        raise ImportError(f"the engine matrix needs {_missing}: run scripts/install.sh")
-    pytest.skip(f"engines not installed ({', '.join(_missing)})", allow_module_level=True)
+require_modules(
+    "laminar_fsdp",
+    "laminar_vllm",
+    "laminar_megatron",
+    "laminar_sglang",
+    "sglang",
+    "vllm",
+    what="the engine matrix",
+)
 
 pytest.importorskip("ray")
 
-from laminar_core.models import build_tiny_model  # noqa: E402
-from laminar_core.runtime.train import make_run_dir, start_run  # noqa: E402
-from laminar_core.telemetry.events import WeightPull  # noqa: E402
+from laminar_core.models import build_tiny_model
+from laminar_core.runtime.train import make_run_dir, start_run
+from laminar_core.telemetry.events import WeightPull
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 3

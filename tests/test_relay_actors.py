@@ -18,12 +18,12 @@ import torch
 pytest.importorskip("laminar_nccl")
 ray = pytest.importorskip("ray")
 
-from laminar_core import load_config  # noqa: E402
-from laminar_core.relay.shm import SharedWeights, relay_dir  # noqa: E402
-from laminar_core.relay.tier import RelayTier  # noqa: E402
-from laminar_core.runtime.relay_actor import spawn_relay  # noqa: E402
-from laminar_core.testing.relay import make_weights  # noqa: E402
-from laminar_nccl.transport import TorchDistTransport  # noqa: E402
+from laminar_core import load_config
+from laminar_core.relay.shm import SharedWeights, relay_dir
+from laminar_core.relay.tier import RelayTier
+from laminar_core.runtime.relay_actor import spawn_relay
+from laminar_core.testing.relay import make_weights
+from laminar_nccl.transport import TorchDistTransport
 
 
 def _assert_shared(root: Path, relay_id: int, version: int) -> None:

@@ -13,9 +13,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
 
-from laminar_core.cli import main  # noqa: E402
-from laminar_core.models import build_tiny_model  # noqa: E402
-from laminar_core.models.tiny import ALPHABET  # noqa: E402
+from laminar_core.cli import main
+from laminar_core.models import build_tiny_model
+from laminar_core.models.tiny import ALPHABET
 
 
 @pytest.fixture(scope="module")

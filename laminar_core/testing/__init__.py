@@ -25,6 +25,7 @@ from laminar_core.testing.relay import (
     share_version,
 )
 from laminar_core.testing.report import ContractError, KitReport
+from laminar_core.testing.requires import require_modules
 from laminar_core.testing.rollout import check_rollout_engine
 from laminar_core.testing.trainer import check_trainer_engine, contract_batch
 from laminar_core.testing.transport import check_transport
@@ -43,5 +44,6 @@ __all__ = [
     "contract_batch",
     "engine_from_config",
     "make_weights",
+    "require_modules",
     "share_version",
 ]

@@ -12,26 +12,21 @@ The full set (a whole node, the same fault twice in a row) with figures is
 from __future__ import annotations
 
 import asyncio
-import importlib.util
-import os
 from pathlib import Path
 
 import pytest
 
 from laminar_core import load_config
+from laminar_core.testing import require_modules
 
-_missing = [m for m in ("laminar_fsdp", "laminar_vllm", "vllm") if not importlib.util.find_spec(m)]
-if _missing:
-    if os.environ.get("LAMINAR_REQUIRE_REAL") == "1":
-        raise ImportError(f"chaos tests need {_missing}: run scripts/install.sh")
-    pytest.skip(f"real engines not installed ({', '.join(_missing)})", allow_module_level=True)
+require_modules("laminar_fsdp", "laminar_vllm", "vllm", what="chaos tests")
 
 psutil = pytest.importorskip("psutil")
 ray = pytest.importorskip("ray")
 
-from laminar_core.models import build_tiny_model  # noqa: E402
-from laminar_core.runtime.train import make_run_dir  # noqa: E402
-from laminar_core.testing.chaos import Fault, run_with_faults  # noqa: E402
+from laminar_core.models import build_tiny_model
+from laminar_core.runtime.train import make_run_dir
+from laminar_core.testing.chaos import Fault, run_with_faults
 
 ROOT = Path(__file__).resolve().parents[2]
 FAULTS = [

@@ -23,8 +23,8 @@ import pytest
 from laminar_core import EnvContext, StepResult, make_parser
 
 laminar_sandbox = pytest.importorskip("laminar_sandbox")
-from laminar_sandbox import PythonSandboxEnv, SandboxOptions  # noqa: E402
-from laminar_sandbox.isolation import processes_of  # noqa: E402
+from laminar_sandbox import PythonSandboxEnv, SandboxOptions
+from laminar_sandbox.isolation import processes_of
 
 #: The wall clock of runs that test it (the fork bomb, the infinite loop); other runs get a
 #: generous one, so a loaded machine does not turn their outcome into a timeout.

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import importlib.util
 import os
 import signal
 import threading
@@ -35,12 +34,9 @@ from laminar_core import (
     load_config,
 )
 from laminar_core.models import build_tiny_model
-from laminar_core.testing import check_rollout_engine, share_version
+from laminar_core.testing import check_rollout_engine, require_modules, share_version
 
-if importlib.util.find_spec("sglang") is None:
-    if os.environ.get("LAMINAR_REQUIRE_REAL") == "1":
-        raise ImportError("laminar-sglang tests need SGLang: run scripts/install.sh")
-    pytest.skip("sglang not installed", allow_module_level=True)
+require_modules("sglang", what="laminar-sglang tests")
 
 from laminar_sglang import SGLangOptions, SGLangRolloutEngine
 

