@@ -14,7 +14,8 @@ known episodes of a real run:
 Episodes return a reward of 1.0 when the key is even, ``None`` (``reward.fn`` scores the
 session) when odd. ``SESSIONS`` records each run's session id (its key's last four chars
 are not needed: the id is ``laminar.gateway``'s); ``CALLS`` each call's response header
-version and replica.
+version and replica; ``UNAVAILABLE`` each 503 an agent's HTTP client received (its
+``Retry-After`` and body; the ``openai`` client then retries the call).
 """
 
 from __future__ import annotations
@@ -22,11 +23,31 @@ from __future__ import annotations
 import asyncio
 from collections import defaultdict
 
+import httpx
 import openai
 
 RUNS: dict[int, int] = defaultdict(int)
 SESSIONS: dict[int, list[str]] = defaultdict(list)
 CALLS: list[tuple[int, int, str]] = []  # (sample key, version, replica)
+UNAVAILABLE: list[dict] = []  # {"key", "retry_after", "body"}
+
+
+def _client(base_url: str, api_key: str, key: int) -> openai.AsyncOpenAI:
+    """The agent's client, its HTTP responses watched for 503s (as the wire has them)."""
+
+    async def watch(response: httpx.Response) -> None:
+        if response.status_code == 503:
+            await response.aread()
+            UNAVAILABLE.append(
+                {
+                    "key": key,
+                    "retry_after": response.headers.get("retry-after"),
+                    "body": response.json(),
+                }
+            )
+
+    http = httpx.AsyncClient(event_hooks={"response": [watch]})
+    return openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=4, http_client=http)
 
 
 async def _call(client: openai.AsyncOpenAI, key: int, messages: list[dict]) -> str:
@@ -47,7 +68,7 @@ async def run(base_url: str, api_key: str, row: dict) -> float | None:
     RUNS[key] += 1
     first = RUNS[key] == 1
     SESSIONS[key].append(api_key.split(".")[0].removeprefix("lmn-"))
-    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=4)
+    client = _client(base_url, api_key, key)
     try:
         if kind == 3 or (kind == 1 and first):
             raise RuntimeError(f"episode {key} crashed")

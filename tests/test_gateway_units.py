@@ -354,6 +354,14 @@ def test_a_call_on_a_busy_sample_forks_and_an_unserved_call_leaves_nothing(rende
     s.abandon(p1, "unavailable", give_back_call=True)
     s.abandon(p2, "unavailable", give_back_call=True)
     assert s.trajectories() == [before] and s.calls == 1 and len(s.samples) == 1
+    # a session's first call unserved (a 503): the call made again is the first, sample 0
+    fresh = _session()
+    p = fresh.prepare_chat(user, [], tools_key([]), renderer, 8)
+    fresh.abandon(p, "unavailable", give_back_call=True)
+    p = fresh.prepare_chat(user, [], tools_key([]), renderer, 8)
+    assert (p.sample.index, p.call_index, p.sample.reason) == (0, 0, "first")
+    _serve(fresh, p, [5], [*user, *_reply("$")])
+    assert fresh.trajectories()[0].traj_id == "s.0" and fresh.errors == {"unavailable": 1}
 
 
 def test_budgets_refuse_with_the_limit_named(renderer) -> None:

@@ -263,6 +263,10 @@ class Session:
             self.calls -= 1
         if pending.new and not pending.sample.calls:
             self.samples.remove(pending.sample)
+            if pending.sample.index == self._indices - 1:
+                # its number goes to the next sample: an agent retrying a refused first
+                # call gets sample 0, as if the refused one had never been made
+                self._indices -= 1
 
     def _release(self, pending: Pending) -> None:
         self._reserved -= pending.reserved
