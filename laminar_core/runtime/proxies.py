@@ -63,6 +63,10 @@ class RayRolloutEngine(RolloutEngine):
         trainer's set-up), the rollout manager's call then waits for that same start."""
         if self._starting is None:
             self._starting = asyncio.ensure_future(self._start())
+            # a start whose awaiters were all cancelled (a restart the run's close stopped,
+            # then its actor killed) fails with no one to read it: read here, not logged as
+            # "Task exception was never retrieved"; awaiters still get the exception
+            self._starting.add_done_callback(lambda f: f.cancelled() or f.exception())
         await asyncio.shield(self._starting)
 
     async def _start(self) -> None:
