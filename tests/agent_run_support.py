@@ -29,7 +29,7 @@ import openai
 RUNS: dict[int, int] = defaultdict(int)
 SESSIONS: dict[int, list[str]] = defaultdict(list)
 CALLS: list[tuple[int, int, str]] = []  # (sample key, version, replica)
-UNAVAILABLE: list[dict] = []  # {"key", "retry_after", "body"}
+UNAVAILABLE: list[dict] = []  # {"key", "retry_after", "body", "calls_before": len(CALLS)}
 
 
 def _client(base_url: str, api_key: str, key: int) -> openai.AsyncOpenAI:
@@ -43,6 +43,7 @@ def _client(base_url: str, api_key: str, key: int) -> openai.AsyncOpenAI:
                     "key": key,
                     "retry_after": response.headers.get("retry-after"),
                     "body": response.json(),
+                    "calls_before": len(CALLS),
                 }
             )
 

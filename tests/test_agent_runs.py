@@ -221,6 +221,9 @@ def test_a_replica_killed_mid_call_has_its_calls_generated_again(agent_run) -> N
             err = seen["body"]["error"]
             assert set(err) == {"message", "type", "param", "code"}, seen
             assert err["type"] == "server_error" and err["code"] == "replica_unavailable"
+            # the client's retry was served (by r0, or r1 restarted)
+            later = agent.CALLS[seen["calls_before"] :]
+            assert any(key == seen["key"] for key, _, _ in later), seen
     else:
         assert backend.retried >= 1  # the killed call, generated again on r0
     # the killed calls' sessions: each trained one holds whole calls only, the killed
