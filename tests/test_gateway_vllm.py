@@ -8,7 +8,9 @@ the final messages is not what was captured) and transformers' recompute of the 
 ids agrees with the sampled log-probs (< 1e-4, as the engine tests); control tokens cannot
 come through a tool message; forks; budgets and bad requests answered in OpenAI's shapes
 with the server going on; session isolation; streaming; tool-call parsing, malformed calls
-as content; concurrent sessions; ``/v1/completions``; an unmodified Agents SDK agent.
+as content; concurrent sessions; ``/v1/completions``; an unmodified Agents SDK agent. The
+engine-independent tests (bad requests, budgets, isolation, streaming on the wire) are
+``gateway_checks``'s, run here and on SGLang (``test_gateway_sglang.py``).
 """
 
 from __future__ import annotations
