@@ -415,3 +415,18 @@ def test_text_completions_extend_by_text_or_by_ids(tok) -> None:
     s.commit(p2, _result([5], 0, -1.0, FinishReason.LENGTH))
     p3 = s.prepare_text([100, 70, 5, 101], tok, 4)
     assert p3.sample is p2.sample and p3.observed == [101]
+
+
+def test_a_given_back_call_never_shares_its_number(renderer) -> None:
+    """Two concurrent calls, the first refused (a 503) and given back: the call made after
+    it gets a fresh number, not the one the second call already holds."""
+    s = _session()
+    user = parse_messages([{"role": "user", "content": "hi"}])
+    p0 = s.prepare_chat(user, [], tools_key([]), renderer, 8)
+    _serve(s, p0, [5], [*user, *_reply("$")])
+    nxt = [*user, *_reply("$"), *parse_messages([{"role": "user", "content": "go"}])]
+    p1 = s.prepare_chat(nxt, [], tools_key([]), renderer, 8)
+    p2 = s.prepare_chat(nxt, [], tools_key([]), renderer, 8)
+    s.abandon(p1, "unavailable", give_back_call=True)
+    p3 = s.prepare_chat(nxt, [], tools_key([]), renderer, 8)
+    assert len({p0.call_index, p2.call_index, p3.call_index}) == 3 and s.calls == 3

@@ -70,6 +70,9 @@ class Session:
         self.total_tokens = 0  # ids in the session's samples
         self._reserved = 0  # ids running calls may still add
         self._indices = 0
+        # call numbers, apart from ``calls``: a given-back call must not hand its number to a
+        # later call while a concurrent one already holds a higher number (repeated numbers)
+        self._numbers = 0
         self.errors: dict[str, int] = {}
 
     # -- what the session made ---------------------------------------------------------------
@@ -129,9 +132,10 @@ class Session:
             )
         max_tokens = min(want, b.max_context_tokens - len(prompt_ids), left)
         pending = Pending(
-            sample, new, observed, prompt_ids, max_tokens, self.calls, len(observed) + max_tokens
+            sample, new, observed, prompt_ids, max_tokens, self._numbers, len(observed) + max_tokens
         )
         self.calls += 1
+        self._numbers += 1
         self._reserved += pending.reserved
         sample.busy = True
         if new:
@@ -261,6 +265,9 @@ class Session:
         self.errors[kind] = self.errors.get(kind, 0) + 1
         if give_back_call:
             self.calls -= 1
+            if pending.call_index == self._numbers - 1:
+                # the newest number only: an older one stays a gap, never held by two calls
+                self._numbers -= 1
         if pending.new and not pending.sample.calls:
             self.samples.remove(pending.sample)
             if pending.sample.index == self._indices - 1:
