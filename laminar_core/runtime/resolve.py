@@ -12,6 +12,7 @@ stay strings).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import typing
 from pathlib import Path
@@ -240,22 +241,34 @@ def resolve(
 
 def check_lora_engines(cfg: LaminarConfig, pm: PluginManager) -> None:
     """With ``trainer.lora`` the trainer must train adapters (``TrainerEngine.trains_lora``)
-    and the rollout engine hot-load them (``RolloutEngine.hot_loads_lora``)."""
+    and the rollout engine hot-load them (``RolloutEngine.hot_loads_lora``); the refusal
+    names the installed engines that can."""
     if cfg.trainer.lora.rank <= 0:
         return
     trainer = pm.get("trainer", cfg.trainer.engine)
     if not getattr(trainer, "trains_lora", False):
         raise ConfigError(
             f"trainer.lora: trainer.engine={cfg.trainer.engine} cannot train LoRA adapters; "
-            "LoRA is supported with trainer fsdp only for now: set trainer.engine=fsdp, or "
-            "trainer.lora.rank=0 for full fine-tuning"
+            f"set trainer.engine to one that can ({_capable(pm, 'trainer', 'trains_lora')}), "
+            "or trainer.lora.rank=0 for full fine-tuning"
         )
     rollout = pm.get("rollout", cfg.rollout.engine)
     if not getattr(rollout, "hot_loads_lora", False):
         raise ConfigError(
             f"trainer.lora: rollout.engine={cfg.rollout.engine} cannot hot-load LoRA adapters; "
-            "use rollout.engine=vllm, or trainer.lora.rank=0 for full fine-tuning"
+            f"set rollout.engine to one that can ({_capable(pm, 'rollout', 'hot_loads_lora')}), "
+            "or trainer.lora.rank=0 for full fine-tuning"
         )
+
+
+def _capable(pm: PluginManager, kind: str, flag: str) -> str:
+    """The installed ``kind`` engines whose class sets ``flag``, for a refusal's fix."""
+    names = []
+    for name in pm.names(kind):
+        with contextlib.suppress(Exception):  # a plugin that fails to load is not one
+            if getattr(pm.get(kind, name), flag, False):
+                names.append(name)
+    return ", ".join(names) or "none installed"
 
 
 def load_config(

@@ -16,6 +16,7 @@ A simulated engine runs under ``laminar_core.sim.clock.run_virtual`` instead of
 """
 
 from laminar_core.testing.environment import check_environment
+from laminar_core.testing.lora import check_lora_versions
 from laminar_core.testing.reference import HFReference, engine_from_config
 from laminar_core.testing.relay import (
     assert_loaded,
@@ -36,6 +37,7 @@ __all__ = [
     "KitReport",
     "assert_loaded",
     "check_environment",
+    "check_lora_versions",
     "check_relay_chain",
     "check_relay_faults",
     "check_rollout_engine",

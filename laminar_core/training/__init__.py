@@ -31,6 +31,7 @@ from laminar_core.training.lora import (
     adapter_tensors,
     apply_lora,
     merge_into,
+    peft_name,
     read_adapter,
     write_adapter,
 )
@@ -56,6 +57,7 @@ __all__ = [
     "pack_bins",
     "pack_micro_batches",
     "padded",
+    "peft_name",
     "plan_micro_batches",
     "read_adapter",
     "response_mask",

@@ -15,6 +15,11 @@ balance, then into padded micro-batches of ``micro_batch_tokens``; the TP and PP
 replica run the same micro-batches. Weights are exported in Hugging Face naming
 (:mod:`laminar_megatron.hf`); checkpoints are ``megatron.core.dist_checkpointing``
 (model, optimizer, scheduler, version), loadable under another TP/PP layout.
+
+With ``trainer.lora`` the base model is frozen and adapters sit on its linear layers
+(:mod:`laminar_megatron.lora`, TP-aware); the optimiser holds only them, a version is their
+full tensors under PEFT's names (what the FSDP trainer sends, what vLLM and SGLang hot-load)
+and a checkpoint holds them and their optimiser state, not the base.
 """
 
 from __future__ import annotations
@@ -41,8 +46,9 @@ from laminar_core import (
     model_dir,
     to_device,
 )
-from laminar_core.training import LossFn, responses
+from laminar_core.training import LoRASpec, LossFn, responses
 from laminar_megatron import cpu_compat
+from laminar_megatron import lora as mlora
 from laminar_megatron.hf import (
     HFCheckpoint,
     Mapping,
@@ -77,6 +83,7 @@ for _message in (
 
 class MegatronTrainerEngine(ModelTrainerEngine):
     Options = MegatronOptions
+    trains_lora = True  # trainer.lora: adapters on the linear layers (lora.py)
 
     @classmethod
     def from_config(cls, ctx: BuildContext) -> MegatronTrainerEngine:
@@ -88,6 +95,8 @@ class MegatronTrainerEngine(ModelTrainerEngine):
         self.rank, self.world = 0, 1
         self.model: Any = None  # megatron DDP around the GPTModel (one model chunk)
         self._lr = 0.0  # the learning rate of the last update
+        self.lora = LoRASpec.of(getattr(getattr(config, "trainer", None), "lora", None))
+        self._adapters: dict[str, mlora.LayerLoRA] = {}  # by megatron layer (global name)
 
     # -- threads -----------------------------------------------------------------------------
     async def run_blocking(self, fn: Callable[..., T], *args: Any) -> T:
@@ -107,6 +116,13 @@ class MegatronTrainerEngine(ModelTrainerEngine):
         path = model_dir(self.cfg.model.path, f"trainer rank {self.rank}")
         self.arch = read_arch(path)
         check_layout(self.arch, self.tp, self.pp)
+        if self.lora is not None:
+            mlora.check_targets(self.lora, self.arch)
+            if self.sequence_parallel:
+                raise ValueError(
+                    "trainer.lora with trainer.megatron.sequence_parallel is not supported "
+                    "(the adapters take the whole sequence); set sequence_parallel to false"
+                )
         if not torch.cuda.is_available():
             cpu_compat.apply()
         await self.run_blocking(self._setup, ctx, path)
@@ -168,6 +184,17 @@ class MegatronTrainerEngine(ModelTrainerEngine):
         self.tcfg = self._transformer_config(cuda)
         gpt = self._build_model()
         self._load_hf(gpt, HFCheckpoint(path))
+        if self.lora is not None:  # after loading: the adapters have no HF source
+            self._adapters = mlora.apply_lora(
+                gpt,
+                self.lora,
+                self.arch,
+                self.layer_offset,
+                self.tp,
+                self.tp_rank,
+                self.tp_group,
+                seed,
+            )
         self._wrap_and_optimise(gpt)
 
         conf = json.loads((path / "config.json").read_text())
@@ -498,8 +525,14 @@ class MegatronTrainerEngine(ModelTrainerEngine):
 
         Collective: every rank iterates it in lock-step (TP all-gathers; under PP the
         owning stage broadcasts to the others) and every rank yields the same tensors.
-        Vocabulary padding is trimmed; a tied head is not exported.
+        Vocabulary padding is trimmed; a tied head is not exported. With ``trainer.lora``:
+        the adapters' full tensors alone, under PEFT's names.
         """
+        if self.lora is not None:
+            for layer in range(self.arch.num_layers):
+                for name, tensor in await self.run_blocking(self._export_adapters, layer):
+                    yield name, tensor
+            return
         for m in self._exports:
             for name, tensor in await self.run_blocking(self._export_one, m):
                 yield name, tensor
@@ -530,9 +563,33 @@ class MegatronTrainerEngine(ModelTrainerEngine):
                 dist.broadcast(t, src, group=self.pp_group)
         return [(n, t.to("cpu", self.export_dtype)) for n, t in zip(m.hf, full, strict=True)]
 
+    def _export_adapters(self, layer: int) -> list[tuple[str, torch.Tensor]]:
+        """Decoder layer ``layer``'s adapters in full (TP all-gather on the owning stage,
+        broadcast to the other stages), in PEFT's names."""
+        owner = layer // self.layers_per_stage
+        out = []
+        for t in self.lora.target_modules:
+            sub = mlora.TARGETS[t][0]
+            if owner == self.pp_rank:
+                a, b = mlora.full_adapter(self._adapters[f"decoder.layers.{layer}.{sub}"], t)
+                a, b = a.contiguous(), b.contiguous()
+            else:
+                i, o = mlora._hf_shape(t, self.arch)
+                a = torch.empty(self.lora.rank, i, dtype=self.param_dtype, device=self.device)
+                b = torch.empty(o, self.lora.rank, dtype=self.param_dtype, device=self.device)
+            if self.pp > 1:
+                src = dist.get_global_rank(self.pp_group, owner)
+                for x in (a, b):
+                    dist.broadcast(x, src, group=self.pp_group)
+            names = mlora.hf_names(layer, t)
+            out += [(n, x.to("cpu", self.export_dtype)) for n, x in zip(names, (a, b), strict=True)]
+        return out
+
     # -- checkpoints -------------------------------------------------------------------------
     def _sharded_state(self, loading: bool) -> dict[str, Any]:
         model_sd = self.model.module.sharded_state_dict()  # DDP would prefix "module."
+        if self.lora is not None:  # the adapters; the frozen base is model.path's
+            model_sd = {k: v for k, v in model_sd.items() if ".lora." in k}
         return {
             "model": model_sd,
             "optimizer": self.optim.sharded_state_dict(
@@ -572,7 +629,7 @@ class MegatronTrainerEngine(ModelTrainerEngine):
                 f"{directory} is not a laminar-megatron checkpoint (no {_STATE_FILE})"
             )
         state = dist_checkpointing.load(self._sharded_state(loading=True), directory)
-        self.model.load_state_dict(state["model"])
+        self.model.load_state_dict(state["model"], strict=self.lora is None)
         self.optim.load_state_dict(state["optimizer"])
         self.sched.num_steps = 0  # megatron's load *adds* the saved step count to it
         self.sched.load_state_dict(state["scheduler"])

@@ -20,6 +20,14 @@ tensors in memory, in core's ``ShmScratch``), and SGLang's schedulers map it thr
 custom loader (``laminar_sglang.loader``) inside ``begin_weight_update`` /
 ``update_weights_from_tensor`` / ``end_weight_update``; the prefix cache is flushed after.
 
+With ``trainer.lora`` a version is a LoRA adapter (PEFT names, ``laminar_core.training.lora``):
+written as a PEFT adapter directory in the same shared-memory scratch and loaded with SGLang's
+``load_lora_adapter`` under a name of its own, which every request started after the update
+names (``lora_path``); the base weights never change. A request keeps the adapter it started
+with; the previous adapter is unloaded after the new one is in, and SGLang's unload waits
+until no request running with it is left. On CPU SGLang's ``torch_native`` LoRA backend runs
+the adapters (its pinned-memory requests made no-ops: ``cpu_support.pinning``).
+
 SGLang is imported only in the host process, so validating a config or listing plugins
 stays fast.
 """
@@ -62,6 +70,7 @@ from laminar_core import (
     WeightsRef,
     model_dir,
 )
+from laminar_core.training import LoRASpec, write_adapter
 from laminar_sglang import channel, cpu_support, loader
 from laminar_sglang.options import SGLangOptions
 
@@ -80,6 +89,7 @@ class SGLangRolloutEngine(RolloutEngine):
     ``gpus`` is the replica's GPU count (its tensor-parallel size unless options say)."""
 
     Options = SGLangOptions
+    hot_loads_lora = True  # trainer.lora: versions load as SGLang LoRA adapters
 
     @classmethod
     def from_config(cls, ctx: BuildContext) -> SGLangRolloutEngine:
@@ -92,6 +102,7 @@ class SGLangRolloutEngine(RolloutEngine):
             dataclasses.replace(opt, seed=ctx.seed(opt.seed)),
             model_dtype=cfg.model.dtype,
             gpus=ctx.gpus,
+            lora=LoRASpec.of(cfg.trainer.lora),
         )
 
     def __init__(
@@ -101,6 +112,7 @@ class SGLangRolloutEngine(RolloutEngine):
         options: SGLangOptions | None = None,
         model_dtype: str = "bfloat16",
         gpus: int = 1,
+        lora: LoRASpec | None = None,
     ) -> None:
         self.replica_id = replica_id
         self.model_path = model_path
@@ -125,6 +137,9 @@ class SGLangRolloutEngine(RolloutEngine):
         self._capacity_tokens = 0
         self._dead: str | None = None
         self._stopping = False
+        self.lora = lora  # versions are adapters of this shape (trainer.lora)
+        self._adapter: tuple[str, Path] | None = None  # (name, directory) new requests use
+        self._adapter_ids = itertools.count(1)
 
     # -- lifecycle ---------------------------------------------------------------------------
     def device(self) -> str:
@@ -161,6 +176,8 @@ class SGLangRolloutEngine(RolloutEngine):
             "context_length": opt.context_length,
         }
         kw.update({k: v for k, v in optional.items() if v})
+        if self.lora is not None:
+            kw.update(lora_engine_args(self.lora, device))
         return kw
 
     def _host_env(self, device: str) -> dict[str, str]:
@@ -259,6 +276,9 @@ class SGLangRolloutEngine(RolloutEngine):
         if self._writer is not None:
             self._writer.close()
         self._proc = None
+        if self._adapter is not None:
+            shutil.rmtree(self._adapter[1], ignore_errors=True)
+            self._adapter = None
         self._scratch.release()
 
     async def _abandon(self, reason: str) -> None:
@@ -395,6 +415,8 @@ class SGLangRolloutEngine(RolloutEngine):
         if s.seed is not None:  # honoured by SGLang's deterministic-inference mode
             sampling["sampling_seed"] = s.seed
         msg = {"op": "generate", "rid": live.request_id, "input_ids": live.input_ids}
+        if self._adapter is not None:  # the adapter this request runs with to its end
+            msg["lora"] = self._adapter[0]
         try:
             await self._send({**msg, "sampling": sampling})
             await live.done.wait()
@@ -423,7 +445,9 @@ class SGLangRolloutEngine(RolloutEngine):
         ``TensorWeights``; a ``ModelOnly`` version has no tensors (only the number changes)."""
         self._check()
         self._inflight.require_idle()
-        if isinstance(weights, SharedWeights):
+        if self.lora is not None and not isinstance(weights, ModelOnly):
+            await self._load_adapter(weights)
+        elif isinstance(weights, SharedWeights):
             # The node relay's own file: every scheduler maps it (no copy of ours). Opening
             # it here first makes a missing or replaced version fail before SGLang loads:
             # a loader error inside SGLang's scheduler would kill the replica.
@@ -445,6 +469,30 @@ class SGLangRolloutEngine(RolloutEngine):
             )
         self.version = weights.version
 
+    async def _load_adapter(self, weights: WeightsRef) -> None:
+        """A LoRA version: a PEFT adapter directory in scratch, loaded by SGLang under a new
+        name before any request uses it (an adapter that does not fit the base model fails
+        here, not in a request); then the previous adapter is unloaded and its files go."""
+        n = next(self._adapter_ids)
+        path = self._scratch.dir() / f"{self.replica_id}-adapter{n}"
+        name = f"laminar-v{weights.version}-{n}"
+        await asyncio.to_thread(write_adapter, path, iter(weights), self.lora, self.model_path)
+        try:
+            await self._call("load_lora", name=name, path=str(path))
+        except Exception as e:
+            shutil.rmtree(path, ignore_errors=True)
+            if isinstance(e, ReplicaFailure):
+                raise
+            raise RuntimeError(
+                f"replica {self.replica_id}: SGLang could not load version {weights.version}'s "
+                f"LoRA adapter ({e}); the trainer's trainer.lora and model.path must match "
+                "this replica's base model"
+            ) from e
+        old, self._adapter = self._adapter, (name, path)
+        if old is not None:
+            await self._call("unload_lora", name=old[0])
+            shutil.rmtree(old[1], ignore_errors=True)
+
     async def stats(self) -> EngineStats:
         # SGLang's scheduler publishes its load (running, waiting, KV tokens in use) every
         # few steps; our own record of in-flight requests is exact, so the scheduler's view
@@ -464,3 +512,19 @@ class SGLangRolloutEngine(RolloutEngine):
             kv_capacity_tokens=capacity,
             version=self.version,
         )
+
+
+def lora_engine_args(lora: LoRASpec, device: str) -> dict[str, Any]:
+    """SGLang's engine arguments for adapters of ``lora``'s shape: no adapter at start, room
+    for two (the version running and the one replacing it), SGLang's pure-torch LoRA
+    backend on CPU (its default kernels are Triton's)."""
+    kw: dict[str, Any] = {
+        "enable_lora": True,
+        "max_lora_rank": lora.rank,
+        "lora_target_modules": sorted(lora.target_modules),
+        "max_loras_per_batch": 2,
+        "max_loaded_loras": 2,
+    }
+    if device == "cpu":
+        kw["lora_backend"] = "torch_native"
+    return kw

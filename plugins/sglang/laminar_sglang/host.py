@@ -12,8 +12,9 @@ own children, so the replica survives and sees the host's end of the socket clos
 ``ReplicaFailure``. The host also exits when the replica's end closes, so a replica that
 dies leaves no SGLang processes behind.
 
-Messages in: ``{"op": "generate", "rid", "input_ids", "sampling"}``, ``{"op": "abort",
-"rids"}``, ``{"op": "stats" | "update" | "stop", "id", ...}``. Messages out: ``{"t":
+Messages in: ``{"op": "generate", "rid", "input_ids", "sampling", "lora"?}`` (``lora``: the
+loaded adapter's name the request runs with), ``{"op": "abort", "rids"}``, ``{"op": "stats" |
+"update" | "load_lora" | "unload_lora" | "stop", "id", ...}``. Messages out: ``{"t":
 "ready" | "failed"}`` once, ``{"t": "out", "rid", "ids", "lps", "fin", "done"}`` per
 streamed piece of a request, ``{"t": "reply", "id", "value" | "error"}`` per call.
 """
@@ -31,6 +32,13 @@ from pathlib import Path
 from typing import Any
 
 from laminar_sglang import channel, loader
+from laminar_sglang.cpu_support import pinning
+
+if os.environ.get("SGLANG_USE_CPU_ENGINE") == "1":
+    # SGLang's LoRA layers ask for pinned host memory, which a CPU-only torch cannot give
+    # (``cpu_support.pinning``). At import, so SGLang's spawned schedulers, which re-import
+    # this module as ``__mp_main__``, install it before they build their LoRA layers.
+    pinning.install()
 
 
 class _Host:
@@ -140,6 +148,7 @@ class _Host:
                 return_logprob=True,
                 stream=True,
                 rid=rid,
+                lora_path=msg.get("lora"),
             )
             async for chunk in stream:
                 meta = chunk["meta_info"]
@@ -198,6 +207,24 @@ class _Host:
             "used": int(s.num_used_tokens),
             "capacity": int(s.max_total_num_tokens),
         }
+
+    async def _op_load_lora(self, name: str, path: str) -> None:
+        """Load the PEFT adapter directory ``path`` as adapter ``name`` (requests name it)."""
+        from sglang.srt.managers.io_struct import LoadLoRAAdapterReqInput
+
+        out = await self.tm.load_lora_adapter(
+            LoadLoRAAdapterReqInput(lora_name=name, lora_path=path), None
+        )
+        if not out.success:
+            raise RuntimeError(f"load_lora_adapter {name}: {out.error_message}")
+
+    async def _op_unload_lora(self, name: str) -> None:
+        """Unload adapter ``name``; SGLang waits until no request running with it is left."""
+        from sglang.srt.managers.io_struct import UnloadLoRAAdapterReqInput
+
+        out = await self.tm.unload_lora_adapter(UnloadLoRAAdapterReqInput(lora_name=name), None)
+        if not out.success:
+            raise RuntimeError(f"unload_lora_adapter {name}: {out.error_message}")
 
     async def _op_update(self, ref: dict[str, Any]) -> None:
         """Load the version ``ref`` names (``loader``) between SGLang's begin/end of a weight
