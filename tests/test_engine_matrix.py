@@ -7,9 +7,11 @@ actor, rewards) for a few steps on the tiny model, per combination:
 * and, for Megatron + SGLang and FSDP + vLLM with LoRA, a run resumed from a checkpoint
   continues from its step.
 
-``fsdp+vllm+lora`` trains ``trainer.lora`` adapters: every version is an adapter the vLLM
-replicas hot-load, so the log-prob check is the adapter's agreement (a replica serving the
-wrong adapter version fails it: ``plugins/vllm/tests/test_vllm_lora.py``).
+``fsdp+vllm+lora`` and ``megatron+sglang+lora`` train ``trainer.lora`` adapters: every
+version is an adapter the replicas hot-load, so the log-prob check is the adapter's
+agreement (a replica serving the wrong adapter version fails it: core's
+``check_lora_versions``, run by ``plugins/vllm/tests/test_vllm_lora.py`` and
+``plugins/sglang/tests/test_sglang_lora.py``).
 
 FSDP + vLLM is ``tests/test_real_training.py`` (the quickstart itself, in more depth).
 """
@@ -54,6 +56,11 @@ COMBOS = {
         "trainer.fsdp.lr=2e-2",
         # five real processes start at once on a shared 2-core machine (the vLLM import alone
         # took minutes there at load 60-90): more than the default 300 s
+        "runtime.start_timeout_s=1200",
+    ],
+    "megatron+sglang+lora": [  # TP=2 adapters, each version hot-loaded by SGLang
+        "trainer.lora.rank=8",
+        "trainer.megatron.lr=2e-2",
         "runtime.start_timeout_s=1200",
     ],
 }

@@ -17,6 +17,7 @@ A simulated engine runs under ``laminar_core.sim.clock.run_virtual`` instead of
 
 from laminar_core.testing.environment import check_environment
 from laminar_core.testing.lora import check_lora_versions
+from laminar_core.testing.ranks import run_ranks
 from laminar_core.testing.reference import HFReference, engine_from_config
 from laminar_core.testing.relay import (
     assert_loaded,
@@ -47,5 +48,6 @@ __all__ = [
     "engine_from_config",
     "make_weights",
     "require_modules",
+    "run_ranks",
     "share_version",
 ]

@@ -10,7 +10,6 @@ import random
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from laminar_core import (
     FinishReason,
@@ -18,9 +17,9 @@ from laminar_core import (
     TrainBatch,
     TrainerContext,
     Trajectory,
-    free_port,
     load_config,
 )
+from laminar_core.testing import run_ranks
 from laminar_fsdp import FSDPOptions, FSDPTrainerEngine
 
 
@@ -102,22 +101,6 @@ def _rank(rank: int, world: int, port: int, model_dir: str, ckpt: str, out: dict
         }
 
     out[rank] = asyncio.run(main())
-
-
-def run_ranks(target, world: int, *args) -> dict:
-    """``target(rank, world, port, *args, out)`` in ``world`` spawned processes; ``out``
-    (rank -> what the rank put there) once all exited cleanly."""
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    ctx = mp.get_context("spawn")
-    out = ctx.Manager().dict()
-    port = free_port()
-    procs = [ctx.Process(target=target, args=(r, world, port, *args, out)) for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=300)
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
-    return dict(out)
 
 
 def test_two_gloo_ranks_train_export_and_checkpoint(tiny_model, tmp_path):

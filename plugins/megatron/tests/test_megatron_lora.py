@@ -11,13 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from test_megatron_engine import TOL, _gpus_for
 
-from laminar_core import BuildContext, FinishReason, TrainerContext, free_port, load_config
+from laminar_core import BuildContext, FinishReason, TrainerContext, load_config
 from laminar_core.models import build_tiny_model
 from laminar_core.plugins import default_manager
-from laminar_core.testing import contract_batch
+from laminar_core.testing import contract_batch, run_ranks
 from laminar_core.training import LoRASpec, adapter_tensors, apply_lora
 
 TARGETS = ["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"]  # partial qkv / gate_up
@@ -103,20 +102,6 @@ def _rank(rank: int, world: int, port: int, engine: str, model_dir: str, ckpt: s
         }
 
     out[rank] = asyncio.run(main())
-
-
-def run_ranks(target, world: int, *args) -> dict:
-    """``target(rank, world, port, *args, out)`` in ``world`` spawned processes."""
-    ctx = mp.get_context("spawn")
-    out = ctx.Manager().dict()
-    port = free_port()
-    procs = [ctx.Process(target=target, args=(r, world, port, *args, out)) for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=300)
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
-    return dict(out)
 
 
 def cfg_vocab(model_dir: str) -> int:
