@@ -27,14 +27,12 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 from laminar_core.algorithms.config import DynamicSampling
 from laminar_core.buffers import ExperienceBuffer, InFlight, PartialPool, PromptPool
 from laminar_core.buffers.experience import group_rewards
 from laminar_core.interfaces import RepackPolicy, RolloutEngine
-from laminar_core.loop.agent_backend import ManagerTurnBackend
-from laminar_core.loop.agent_sessions import AgentRollouts
 from laminar_core.loop.dispatch import Dispatch
 from laminar_core.loop.episodes import Episodes
 from laminar_core.loop.filtering import FilterWatch
@@ -49,6 +47,11 @@ from laminar_core.loop.updates import WeightUpdates
 from laminar_core.telemetry import EventLog
 from laminar_core.telemetry.events import GroupFiltered, ReplicaAdded, ReplicaFailed
 from laminar_core.types import GenerationRequest, Group, Move, ReplicaState
+
+if TYPE_CHECKING:  # set only by an agent run (``runtime.agents``), which imports them: a
+    # run without agents does not import the gateway (fastapi, ~0.4 CPU s per process)
+    from laminar_core.loop.agent_backend import ManagerTurnBackend
+    from laminar_core.loop.agent_sessions import AgentRollouts
 
 __all__ = ["ManagerOptions", "NodeRelayLike", "ReplicaSlot", "RewardFn", "RolloutManager"]
 

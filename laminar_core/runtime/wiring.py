@@ -25,7 +25,6 @@ from laminar_core.loop.manager import ManagerOptions, ReplicaSlot, RewardFn, Rol
 from laminar_core.loop.schedules import Schedule
 from laminar_core.plugins import PluginManager, default_manager
 from laminar_core.relay.node import NodeRelay
-from laminar_core.runtime.agents import agents_enabled, attach_agents
 from laminar_core.runtime.placement import Placement, plan_placement
 from laminar_core.runtime.resolve import make_schedule
 from laminar_core.runtime.run import Run, Runtime, Started
@@ -149,7 +148,11 @@ def assemble(spec: RunSpec, started: Started, runtime: Runtime) -> Run:
         episodes=episodes,
         dynamic_sampling=sampling,
     )
-    if agents_enabled(cfg):  # every rollout is an agent episode through the gateway
+    if cfg.agent.entrypoint or cfg.agent.command:  # ``runtime.agents.agents_enabled``
+        # every rollout is an agent episode through the gateway; imported only here, so a
+        # run without agents (and every actor process) skips fastapi and the gateway
+        from laminar_core.runtime.agents import attach_agents
+
         attach_agents(manager, cfg, started.tokenizer)
     run_dir = spec.run_dir
     controller = Controller(
