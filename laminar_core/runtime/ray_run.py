@@ -272,7 +272,7 @@ class RayRuntime:
             return tokenizer, dataset, report, reward_fn
 
         # the tokenizer (transformers' import: ~3 s here) and the prompts load on a thread
-        # while Ray starts: the driver mostly waits for Ray's own processes then
+        # while Ray and the actors start: the driver mostly waits for other processes then
         data = loop.run_in_executor(None, prepare)
         needed = place.trainer_gpus * rt.cpus_per_trainer + place.replicas * rt.cpus_per_replica
         t0 = loop.time()
@@ -283,15 +283,17 @@ class RayRuntime:
             raise
         self.startup["ray"] = loop.time() - t0
         try:
-            # a bad data file or reward fails here, before any actor starts
-            tokenizer, dataset, report, reward_fn = await data
-            spec = dataclasses.replace(spec, reward_fn=reward_fn)
             t0 = loop.time()
             await self._reserve()
             ranks = self._trainer_actors()
             replicas = self.replica_handles = [
                 self._replica_actor(i) for i in range(place.replicas)
             ]
+            # The actors' processes start (imports: seconds of CPU each) while the data
+            # thread finishes, rather than after it. A bad data file or reward fails here;
+            # the actors started so far are released below, as for any start-up failure.
+            tokenizer, dataset, report, reward_fn = await data
+            spec = dataclasses.replace(spec, reward_fn=reward_fn)
             try:
                 nodes = await _with_timeout(
                     asyncio.gather(*(h.node_id.remote() for h in replicas)), rt.start_timeout_s
@@ -324,6 +326,7 @@ class RayRuntime:
             self._release()
             if self.own_cluster:
                 ray.shutdown()
+            await asyncio.gather(data, return_exceptions=True)  # no thread left running
             raise
         # the proxies stand in for engines (the same coroutine API, over Ray)
         started = Started(
