@@ -4,8 +4,9 @@ actor, rewards) for a few steps on the tiny model, per combination:
 * versions advance on every replica;
 * the rollout engine's log-probs match the trainer's recompute on trajectories of the
   trainer's current version (float32: < 1e-4);
-* and, for Megatron + SGLang and FSDP + vLLM with LoRA, a run resumed from a checkpoint
-  continues from its step.
+* the FSDP + SGLang row trains with CISPO and token-masked TIS (its masked-fraction metric
+  reported), the Megatron + vLLM row with GSPO and geometric-mean TIS;
+* and, for the two LoRA rows, a run resumed from a checkpoint continues from its step.
 
 ``fsdp+vllm+lora`` and ``megatron+sglang+lora`` train ``trainer.lora`` adapters: every
 version is an adapter the replicas hot-load, so the log-prob check is the adapter's
@@ -46,9 +47,24 @@ from laminar_core.telemetry.events import WeightPull
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 3
 COMBOS = {
-    "fsdp+sglang": ["rollout.engine=sglang", "trainer.engine=fsdp"],
-    "megatron+vllm": ["trainer.engine=megatron", "rollout.engine=vllm"],
-    "megatron+sglang": [],  # the quickstart_megatron_sglang example as it ships
+    # the trainer-side algorithms (issue 35) ride on the full-model rows: each loss and
+    # correction runs through both trainers' loss path and both engines' log-probs
+    "fsdp+sglang": [
+        "rollout.engine=sglang",
+        "trainer.engine=fsdp",
+        "algorithm.loss=cispo",
+        "algorithm.off_policy=tis",
+        "algorithm.is_mask=token",
+    ],
+    "megatron+vllm": [
+        "trainer.engine=megatron",
+        "rollout.engine=vllm",
+        "algorithm.loss=gspo",
+        "algorithm.clip_low=3e-4",
+        "algorithm.clip_high=4e-4",
+        "algorithm.off_policy=tis",
+        "algorithm.is_level=geometric",
+    ],
     "fsdp+vllm+lora": [
         "trainer.engine=fsdp",
         "rollout.engine=vllm",
@@ -58,13 +74,15 @@ COMBOS = {
         # took minutes there at load 60-90): more than the default 300 s
         "runtime.start_timeout_s=1200",
     ],
-    "megatron+sglang+lora": [  # TP=2 adapters, each version hot-loaded by SGLang
+    # the quickstart_megatron_sglang example with TP=2 adapters, each version hot-loaded
+    # by SGLang (its full-model path is the two rows above, between them)
+    "megatron+sglang+lora": [
         "trainer.lora.rank=8",
         "trainer.megatron.lr=2e-2",
         "runtime.start_timeout_s=1200",
     ],
 }
-RESUMED = ("megatron+sglang", "fsdp+vllm+lora")
+RESUMED = ("megatron+sglang+lora", "fsdp+vllm+lora")
 TRAINER_OPTIONS = {  # the trainer's options when the example's engine is swapped
     "megatron": ["trainer.megatron.tp=2", "trainer.megatron.lr=3e-3"],
 }
@@ -137,6 +155,8 @@ def test_combination_trains_and_agrees_on_logprobs(combo, model, ray_cluster, tm
     # the matrix's figures (pytest -rP shows them): log-prob gap, steps/s after start-up
     print(f"{combo}: logprob gap max {max(gaps):.2e}, {len(rows) / wall:.2f} steps/s")
     assert max(gaps) < 1e-4, gaps
+    if "algorithm.is_mask=token" in COMBOS[combo]:
+        assert any("is_masked_fraction" in r for r in rows), rows[-1].keys()
     if combo in RESUMED:  # a resumed run continues from the checkpoint's step
         step2 = run_dir / "checkpoints" / "step_000002"
         resumed = _config(model, tmp_path, combo, f"run.resume={step2}")
