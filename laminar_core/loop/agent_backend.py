@@ -6,9 +6,12 @@ loop's own rollouts:
 
 * **placement**: a call goes to an open replica with room (``rollout.max_concurrent``) and a
   recent enough version (the schedule's ``min_version`` for the session's batch tag);
-  among those, under ``version_policy: latest`` the newest version, then the replica that
-  served the session's last call (its KV cache holds the session's prefix), then the least
-  loaded. Nothing open with room: the call waits (bounded by the session's wall clock);
+  among those the newest version, then the replica that served the session's last call
+  (its KV cache holds the session's prefix), then the least loaded: the one rule of
+  ``loop.placement.choose_call_replica``, which the loop's multi-turn turns (and so the
+  simulator's agent workload) are placed by too. Nothing open with room: the call waits
+  for the manager's next dispatch (``Placement.changed``: a call or trajectory ended, a
+  replica opened, pulled, failed or came back), bounded by the session's wall clock;
   every replica dead: ``BackendUnavailable`` (503 with ``Retry-After``).
 * **weight pulls at call boundaries**: a call is in its replica's ``inflight`` while it
   generates, so the replica's driver pulls a newer version only between calls (a DRAINING
@@ -40,6 +43,7 @@ from typing import Any, Protocol
 
 from laminar_core.gateway import BackendUnavailable, TurnBackend, TurnRequest, TurnResult
 from laminar_core.interfaces import ReplicaFailure
+from laminar_core.loop.placement import choose_call_replica
 from laminar_core.loop.supervisor import RESTARTING, Pin, ReplicaSlot
 from laminar_core.types import FinishReason, GenerationRequest
 
@@ -47,7 +51,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["ManagerTurnBackend"]
 
-_POLL_S = 0.05  # how often a waiting call looks for a replica, and a running one at its own
+_WATCH_S = 0.5  # how often a running call looks at its replica (declared dead meanwhile?)
 
 
 class Manager(Protocol):
@@ -57,7 +61,7 @@ class Manager(Protocol):
     slots: list[ReplicaSlot]
     admission: Any  # the schedule's admission rule: min_version per batch tag
     opt: Any  # ManagerOptions: max_concurrent
-    placement: Any  # kick(): dispatch again
+    placement: Any  # kick(): dispatch again; changed: set on every dispatch
     tasks: Any  # ManagerTasks: stopping
 
     def fail_replica(self, slot: ReplicaSlot, reason: str) -> None: ...
@@ -109,24 +113,24 @@ class ManagerTurnBackend(TurnBackend):
                 return slot if len(slot.inflight) < limit else None
             # its replica failed: the version went with it; pin the session anew
             sup.unpin(self._pins.pop(request.session_id))
-        need = self._need(request)
-        exact = request.metadata.get("eval_version")  # an eval round's: that version only
-        home = self._home.get(request.session_id)
-        best, best_key = None, None
-        for s in sup.open.values():
-            if len(s.inflight) >= limit or (need is not None and s.version < need):
-                continue
-            if exact is not None and s.version != exact:
-                continue
-            key = (s.version, s.replica_id == home, -len(s.inflight), -s.index)
-            if best_key is None or key > best_key:
-                best, best_key = s, key
+        best = choose_call_replica(
+            sup.open.values(),
+            limit,
+            home=self._home.get(request.session_id),
+            min_version=self._need(request),
+            version=request.metadata.get("eval_version"),  # an eval round's: that one only
+        )
+        exact = request.metadata.get("eval_version")
         if best is not None and self.policy == "pin" and exact is None:
             self._pins[request.session_id] = sup.pin(best)
         return best
 
     async def _place(self, request: TurnRequest) -> ReplicaSlot:
+        changed = self.manager.placement.changed
         while True:
+            # cleared before looking, set by the manager's next dispatch: nothing between the
+            # look and the wait can change the replicas (no await), so no change is missed
+            changed.clear()
             slot = self._choose(request)
             if slot is not None:
                 return slot
@@ -134,7 +138,7 @@ class ManagerTurnBackend(TurnBackend):
                 raise BackendUnavailable("the run is stopping", retry_after_s=5.0)
             if not any(s.alive or s.phase is RESTARTING for s in self.manager.slots):
                 raise BackendUnavailable("every replica has failed", retry_after_s=5.0)
-            await asyncio.sleep(_POLL_S)
+            await changed.wait()
 
     # -- a call ------------------------------------------------------------------------------
     async def generate_turn(self, request: TurnRequest) -> TurnResult:
@@ -187,7 +191,7 @@ class ManagerTurnBackend(TurnBackend):
             # the heartbeat (or another call) may declare the replica dead while this call
             # waits on it: then the call is not waited for any longer
             while not task.done():
-                await asyncio.wait({task}, timeout=_POLL_S * 10)
+                await asyncio.wait({task}, timeout=_WATCH_S)
                 if not task.done() and (not slot.alive or slot.incarnation != incarnation):
                     task.cancel()
                     raise _Retry(f"replica {rid} failed under it")

@@ -367,6 +367,7 @@ class RolloutManager:
         takes a group is the dispatch policy's choice (``loop.dispatch``).
         """
         self._kicked = False
+        self.placement.changed.set()  # calls waiting for a replica look again
         sup = self.supervisor
         if self.tasks.stopping or not sup.open:
             return

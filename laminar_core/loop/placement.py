@@ -4,16 +4,17 @@ Every generate call of the rollout manager goes through here. A trajectory (an `
 of the partial-response pool) is *launched* on a replica, which bumps its ``attempt``: only
 the current attempt's result counts, so a trajectory is written to the experience buffer
 exactly once however often it was moved or redirected. When the call returns, the turn is
-over: a multi-turn trajectory's next turn is *placed* (``place_turn``: on the replica that
-ran the last one, where its prefix is cached, if that replica takes work, else on any open
-replica), and a finished trajectory is scored and written to the buffer. A trajectory whose
+over: a multi-turn trajectory's next turn is *placed* (``place_turn``, by
+:func:`choose_call_replica`: the newest open version with room, then the replica that ran
+the last turn, where its prefix is cached, then the least loaded), and a finished
+trajectory is scored and written to the buffer. A trajectory whose
 replica failed is *redirected* (``redirect``): resumed from its partial response on a live
 replica of the version that generated it, else restarted from its prompt as an *orphan*,
 which dispatch places on the least-loaded open replica before any new group.
 
-An agent gateway places its sessions' turns the same way: ``launch`` on a replica,
-``place_turn`` with a preferred replica, ``least_loaded`` for an open replica holding a given
-version (or at least one).
+An agent gateway places its sessions' calls by the same rule: ``ManagerTurnBackend`` and
+``place_turn`` (which the simulator's ``sim_agent`` workload runs through) both call
+:func:`choose_call_replica`, so a simulated agent run places its calls as a real one does.
 """
 
 from __future__ import annotations
@@ -23,13 +24,13 @@ import dataclasses
 import inspect
 import logging
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 
 from laminar_core.buffers import ExperienceBuffer, InFlight, PartialPool
 from laminar_core.interfaces import ReplicaFailure
 from laminar_core.loop.dispatch import load
 from laminar_core.loop.episodes import EpisodeRestart, Episodes
-from laminar_core.loop.supervisor import OPEN, ReplicaSlot, ReplicaSupervisor
+from laminar_core.loop.supervisor import ReplicaSlot, ReplicaSupervisor
 from laminar_core.loop.tasks import ManagerTasks
 from laminar_core.telemetry import EventLog
 from laminar_core.telemetry.events import TrajectoryDone
@@ -40,6 +41,37 @@ log = logging.getLogger(__name__)
 # A reward is a plain or async callable; async rewards (thread-offloaded, timed out) keep the
 # manager's event loop free while they run.
 RewardFn = Callable[[Trajectory], "float | Awaitable[float]"]
+
+
+def choose_call_replica(
+    candidates: Iterable[ReplicaSlot],
+    limit: int,
+    home: str | None = None,
+    min_version: int | None = None,
+    version: int | None = None,
+) -> ReplicaSlot | None:
+    """The replica for a session's (or a multi-turn trajectory's) next call, or None.
+
+    Among ``candidates`` (the OPEN replicas) with room (fewer than ``limit`` calls in flight)
+    that hold at least ``min_version`` (exactly ``version``, when given): the newest version
+    (what it samples is the least stale, and an older replica with a newer one open is about
+    to drain and pull anyway), then ``home`` (the replica of the session's last call: its KV
+    cache may hold the session's prefix, so the call re-prefills only its new tokens), then
+    the fewest calls in flight, then the one that opened first. Pure: the gateway's
+    ``ManagerTurnBackend`` and the loop's ``place_turn`` (the simulator's agent workload)
+    both place by it.
+    """
+    best, best_key = None, None
+    for i, s in enumerate(candidates):
+        n = len(s.inflight)
+        if n >= limit or (min_version is not None and s.version < min_version):
+            continue
+        if version is not None and s.version != version:
+            continue
+        key = (s.version, s.replica_id == home, -n, -i)
+        if best_key is None or key > best_key:
+            best, best_key = s, key
+    return best
 
 
 class Placement:
@@ -80,6 +112,9 @@ class Placement:
         self.discarded = 0  # results of superseded attempts (moved, redirected) ignored
         self.first_trajectory_at: float | None = None  # loop time the first one finished
         self.finished = asyncio.Event()  # set whenever a trajectory finished
+        # set on every dispatch of the manager (a call or trajectory ended, a replica opened,
+        # pulled, failed or came back): agent calls waiting for a replica look again
+        self.changed = asyncio.Event()
 
     # -- choosing and launching ------------------------------------------------------------------
     def least_loaded(
@@ -98,13 +133,19 @@ class Placement:
         return best
 
     def place_orphans(self) -> bool:
-        """Launch waiting orphans on the least-loaded open replicas; False if some are left
-        (no open replica has room)."""
+        """Launch waiting orphans: a turn by :func:`choose_call_replica` (its last replica
+        as home), a trajectory from scratch on the least-loaded open replica; False if some
+        are left (no open replica has room)."""
         while self.orphans:
-            slot = self.least_loaded(1)
+            item, resume = self.orphans[0]
+            if resume is None:
+                slot = self.least_loaded(1)
+            else:
+                opened = self.supervisor.open.values()
+                slot = choose_call_replica(opened, self.max_concurrent, item.replica)
             if slot is None:
                 return False
-            item, resume = self.orphans.popleft()
+            self.orphans.popleft()
             if resume is None:
                 item.version = slot.version
             self.launch(slot, item, resume)
@@ -121,10 +162,12 @@ class Placement:
         self.tasks.spawn(self._run(slot, req, item.attempt, slot.incarnation))
 
     def place_turn(self, item: InFlight, resume: PartialTrajectory, prefer: ReplicaSlot) -> None:
-        """A trajectory's next turn: on ``prefer`` if it takes work and has room, else on the
-        least-loaded open replica as soon as one has room."""
-        if prefer.phase is OPEN and len(prefer.inflight) < self.max_concurrent:
-            self.launch(prefer, item, resume)
+        """A trajectory's next turn: on the replica :func:`choose_call_replica` picks with
+        ``prefer`` (the last turn's) as home, else, none having room, as soon as one has."""
+        opened = self.supervisor.open.values()
+        slot = choose_call_replica(opened, self.max_concurrent, prefer.replica_id)
+        if slot is not None:
+            self.launch(slot, item, resume)
         else:
             self.orphans.append((item, resume))
             self.kick()

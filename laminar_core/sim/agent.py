@@ -5,14 +5,15 @@ An agent that owns its loop (a coding, browser or research agent behind the gate
 (a thought and a tool call, a few hundred tokens) on a context that grows by the call's own
 tokens and the tool's result; between two calls the session is on no replica while the tool
 runs and the agent's own code works (parses, edits files, drives a browser). The gateway
-places each call at the call boundary (``agent.version_policy: latest``: the session's
-replica if it takes work, else the least-loaded open one), so a replica may pull new weights
-and a session may be repacked between its calls, never inside one.
+places each call at the call boundary by ``loop.placement.choose_call_replica``
+(``agent.version_policy: latest``: the newest open version with room, then the session's
+replica, then the least loaded), so a replica may pull new weights and a session may be
+repacked between its calls, never inside one.
 
 The workload runs through the same path as ``sim_tool`` (``sim.tools``): ``sim_agent`` is an
 ``env`` plugin whose episode sleeps on the virtual clock for each gap and reports the tool
 result's token count; the loop appends it (loss mask 0) and places the next call with
-``Placement.place_turn``, the API the gateway places its sessions' calls with. What differs
+``Placement.place_turn``, by the rule the gateway places its sessions' calls with. What differs
 is the plan, a pure function of ``(options.seed, sample_key)``:
 
 * **calls per episode** (model calls; the tool calls between them are one fewer): lognormal,
