@@ -4,7 +4,8 @@ Each is ``laminar train examples/agents/X.yaml`` as shipped, shortened to ``STEP
 with an eval round every ``EVAL_EVERY``: the plain ``openai`` client's tool loop, the OpenAI
 Agents SDK's ``Runner``, and a command-line program run per episode. The held-out eval
 reward (the agent run on held-out rows, through the gateway) must rise from the first round
-to the last, and every trained trajectory must be an agent session's sample.
+(after step 2: the model is still about as random as it started) to the last, and every
+trained trajectory must be an agent session's sample.
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ from laminar_core.models import build_tiny_model
 from laminar_core.runtime.train import close_run, make_run_dir, start_run
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS, EVAL_EVERY = 14, 7
+# a round costs a second or two (32 episodes, no training): an early first round is a far
+# surer baseline than one after step 7, when the model has learnt part of what it will
+STEPS, EVAL_EVERY = 14, 2
 
 
 @pytest.fixture(scope="module")
@@ -37,14 +40,7 @@ def model(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny", seed=0)
 
 
-# openai_agent's 14-step rise is not reliable yet (0.0048 -> 0.0153 in one full-suite run,
-# 0.025 -> 0.058 and 0.045 -> 0.115 in others): known, not hidden (issue 34 stays open)
-_UNRELIABLE = pytest.mark.xfail(reason="openai_agent learns too slowly in 14 steps", strict=False)
-
-
-@pytest.mark.parametrize(
-    "name", [pytest.param("openai_agent", marks=_UNRELIABLE), "sdk_agent", "cli_agent"]
-)
+@pytest.mark.parametrize("name", ["openai_agent", "sdk_agent", "cli_agent"])
 def test_an_agent_example_learns(name, model, ray_cluster, tmp_path, monkeypatch) -> None:
     monkeypatch.chdir(ROOT)  # the examples name their agent relative to the repository
     overrides = [
@@ -73,7 +69,11 @@ def test_an_agent_example_learns(name, model, ray_cluster, tmp_path, monkeypatch
     evals = [r["eval_reward"] for r in rows if "eval_reward" in r]
     print(f"\n{name}: eval_reward {evals}")
     assert len(evals) == STEPS // EVAL_EVERY
-    assert evals[-1] > evals[0] + 0.02, evals  # measured rises: 0.03 to 0.24
+    # measured after step 2 -> after step 14 (one run each, shared machine): openai_agent
+    # 0.000 -> 0.131, sdk_agent 0.002 -> 0.090, cli_agent 0.008 -> 0.345; after step 7 ->
+    # after step 14, openai_agent at run seeds 0, 1, 2: 0.106 -> 0.302, 0.088 -> 0.127,
+    # 0.063 -> 0.287 (before its agent scored the answer it keeps: 0.005 -> 0.015)
+    assert evals[-1] > evals[0] + 0.04, evals
     trained = [t for b in run.controller.batches for t in b.trajectories]
     assert trained and all("gateway" in t.metadata for t in trained if t.response_ids)
     assert sum(t.finish_reason is FinishReason.FAILED for t in trained) <= len(trained) // 10
