@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import math
 import multiprocessing as mp
 import os
 import sys
@@ -40,20 +39,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from _common import ROOT, say, table
+from _common import ROOT, pct, say, table
 
 sys.path.insert(0, str(ROOT / "tests"))
 from gateway_support import ADD_TOOL, CALL  # the tests' calculator tool and its call
 
 SYSTEM = "You are a calculator. Use the add tool, then answer."
 QUESTION = "What is 2 + 3?"
-
-
-def pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    s = sorted(values)
-    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
 
 
 # -- the agents (a child process: only the openai client is imported there) -----------------

@@ -61,11 +61,12 @@ def test_a_resumed_request_continues_its_prefix_and_versions() -> None:
         live.tokens.append(9)
         live.logprobs.append(-0.3)
         live.finish = "stop"
+        live.cached_tokens = 4  # the engine's prefix cache served 4 of the 5 prompt tokens
     t = book.trajectory(live)
     assert t.response_ids == [5, 6, 9] and t.logprobs == [-0.1, -0.2, -0.3]
     assert (t.version, t.versions, t.replicas) == (1, [1, 2, 4], ["r1"])
     assert t.finish_reason is FinishReason.STOP and t.num_response_tokens == 3
-    assert t.metadata == {"row": {"answer": 7}, "resumed_tokens": 2}
+    assert t.metadata == {"row": {"answer": 7}, "resumed_tokens": 2, "cached_prompt_tokens": 4}
     assert t.prompt_ids == [1, 2, 3] and t.num_prompt_tokens == 3
     with book.track(_request(max_tokens=2, resume=prior), 2) as live:  # nothing left to do
         assert live.remaining == 0

@@ -69,6 +69,9 @@ class LiveTrajectory:
     finish: str | None = None
     #: an error the engine reported for this request alone
     error: str | None = None
+    #: prompt tokens the engine took from its prefix cache instead of computing them (None:
+    #: the engine does not say); the trajectory's ``metadata["cached_prompt_tokens"]``
+    cached_tokens: int | None = None
     #: set when the request has ended (``track`` sets it on the way out)
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -150,7 +153,8 @@ class InFlightTrajectories:
         """The finished trajectory: ``ABORTED`` when aborted (or the engine says
         ``"abort"``), ``LENGTH`` on ``"length"``, else ``STOP``; ``metadata`` is a copy of
         the request's (the reward reads the prompt's row from it), with ``resumed_tokens``
-        when it continued a prefix."""
+        when it continued a prefix and ``cached_prompt_tokens`` when the engine said how
+        many of the prompt's tokens its prefix cache served."""
         request = live.request
         if live.aborted or live.finish == "abort":
             reason = FinishReason.ABORTED
@@ -161,6 +165,8 @@ class InFlightTrajectories:
         metadata = dict(request.metadata)
         if live.prefix:
             metadata["resumed_tokens"] = live.prefix
+        if live.cached_tokens is not None:
+            metadata["cached_prompt_tokens"] = live.cached_tokens
         return Trajectory(
             traj_id=request.traj_id,
             group_id=request.group_id,

@@ -261,6 +261,8 @@ class VLLMRolloutEngine(RolloutEngine):
             kw = {"lora_request": self._adapter} if self._adapter is not None else {}
             async for out in self._llm.generate(prompt, params, live.request_id, **kw):
                 o = out.outputs[0]
+                if out.num_cached_tokens is not None:  # its prefix-cache hit (the first output)
+                    live.cached_tokens = out.num_cached_tokens
                 new = list(o.token_ids)
                 live.tokens.extend(new)
                 if o.logprobs:

@@ -128,6 +128,15 @@ def test_engine_lifecycle(model_dir, tmp_path):
             assert len(t.response_ids) == len(t.logprobs) == t.num_response_tokens > 0
             assert t.metadata["row"] == 7 and t.versions == [0]
 
+            # vLLM's prefix-cache hit rides on the trajectory: none for a prompt it has not
+            # seen, whole blocks of it when the same prompt comes again (a CPU block is 128
+            # tokens)
+            long = dataclasses.replace(_req("p", 2), prompt_ids=PROMPT * 40)
+            first = await eng.generate(long)
+            again = await eng.generate(dataclasses.replace(long, traj_id="p2"))
+            assert first.metadata["cached_prompt_tokens"] == 0
+            assert 0 < again.metadata["cached_prompt_tokens"] < len(long.prompt_ids)
+
             # stop strings still end a trajectory (vLLM matches them on text: a request
             # with stop strings is detokenized, one without is not). Every printable
             # character is a stop string: the first one sampled ends it.
