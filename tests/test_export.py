@@ -1,6 +1,8 @@
 """``laminar export``: a LoRA run's checkpoint as a PEFT adapter directory (PEFT's files and
 key names, the trained adapter's values) and, with ``--merge``, as a Hugging Face model that
-transformers loads and that computes what the base model plus the adapter computes."""
+transformers loads and that computes what the base model plus the adapter computes, and that a
+vLLM replica serves with the same log-probs. (The adapter directory is written by the same
+``write_adapter`` the vLLM and SGLang replicas hot-load every LoRA version from.)"""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 
@@ -61,9 +64,15 @@ def _trained_checkpoint(model: str, run_dir: str, out: dict) -> None:
     asyncio.run(main())
 
 
-def test_export_writes_a_peft_adapter_and_a_merged_model(tmp_path):
-    model = str(build_tiny_model(tmp_path / "m", seed=0))
-    run_dir = tmp_path / "run"
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    """One folder for the module: the vLLM test loads what the export test exported."""
+    return tmp_path_factory.mktemp("export")
+
+
+def test_export_writes_a_peft_adapter_and_a_merged_model(work):
+    model = str(build_tiny_model(work / "m", seed=0))
+    run_dir = work / "run"
     run_dir.mkdir()
     ctx = mp.get_context("spawn")
     out = ctx.Manager().dict()
@@ -106,9 +115,40 @@ def test_export_writes_a_peft_adapter_and_a_merged_model(tmp_path):
     assert not torch.allclose(got, base, atol=1e-3)  # the adapter is in it
 
     bad = subprocess.run(  # a path without a checkpoint: one line, exit 2
-        [sys.executable, "-m", "laminar_core.cli", "export", str(tmp_path / "nowhere")],
+        [sys.executable, "-m", "laminar_core.cli", "export", str(work / "nowhere")],
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert bad.returncode == 2 and "no checkpoint there" in bad.stderr
+
+
+def test_vllm_serves_the_merged_export(work):
+    """The merged export is a model directory a vLLM replica loads as any other: its
+    log-probs on its own samples match transformers' on the same directory."""
+    require_modules("laminar_vllm", "vllm", what="vLLM loading the merged export")
+    from transformers import AutoModelForCausalLM
+
+    from laminar_core.testing.lora import PROMPT, logprob_gap
+    from laminar_core.types import GenerationRequest, SamplingParams
+    from laminar_vllm import VLLMOptions, VLLMRolloutEngine
+
+    merged = work / "run" / "export" / "step_000001-merged"
+    if not merged.is_dir():
+        pytest.skip("the export test did not run first")
+    opts = VLLMOptions(kv_cache_mb=32, max_model_len=256, max_num_seqs=4)
+
+    async def main():
+        eng = VLLMRolloutEngine("r0", str(merged), opts, model_dtype="float32")
+        await eng.start()
+        try:
+            req = GenerationRequest(
+                "m", "g", prompt_ids=PROMPT, sampling=SamplingParams(max_tokens=24)
+            )
+            return await eng.generate(req)
+        finally:
+            await eng.stop()
+
+    t = asyncio.run(main())
+    hf = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).eval()
+    assert t.response_ids and logprob_gap(hf, PROMPT, t.response_ids, t.logprobs) < 1e-4
