@@ -92,6 +92,10 @@ class Trajectory:
     the weight version of the call that added each token -- that generated it, where the
     mask is 1. Filled where one sample spans calls served by different versions (an agent
     session through the gateway, ``laminar_core.gateway``).
+
+    ``teacher_logprobs`` (one entry per response token; empty: not scored) is a teacher's
+    log-prob of each response token given the same prefix (on-policy distillation,
+    ``algorithm.teacher``; ``RolloutEngine.score``).
     """
 
     traj_id: str
@@ -112,6 +116,7 @@ class Trajectory:
     metadata: dict[str, Any] = field(default_factory=dict)
     loss_mask: list[int] = field(default_factory=list)
     token_versions: list[int] = field(default_factory=list)
+    teacher_logprobs: list[float] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -154,7 +154,7 @@ def test_compute_advantages_unknown_name():
     with pytest.raises(ValueError) as err:
         compute_advantages("ppo", R_BASIC, G_BASIC)
     assert "'ppo'" in str(err.value)
-    assert "dr_grpo, grpo, reinforce_pp, rloo" in str(err.value)
+    assert "dr_grpo, grpo, none, reinforce_pp, rloo" in str(err.value)
 
 
 def test_advantage_input_validation():
@@ -487,7 +487,7 @@ def test_validate_uncapped_tis_rejected():
 def test_constants_are_exported_names():
     assert math.isclose(AlgorithmConfig().adv_eps, 1e-6)
     assert LOSS_AGGREGATIONS == ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
-    assert set(ADVANTAGE_ESTIMATORS) == {"grpo", "dr_grpo", "rloo", "reinforce_pp"}
+    assert set(ADVANTAGE_ESTIMATORS) == {"grpo", "dr_grpo", "rloo", "reinforce_pp", "none"}
 
 
 def test_logprob_agreement_counts_only_the_marked_rows_masked_tokens():

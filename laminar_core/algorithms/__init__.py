@@ -4,7 +4,7 @@ No engine, no I/O: every function maps tensors to tensors (plus metrics as Pytho
 as device tensors from ``policy_loss_terms``).
 """
 
-from .advantages import compute_advantages, dr_grpo, grpo, reinforce_pp, rloo
+from .advantages import compute_advantages, dr_grpo, grpo, no_advantage, reinforce_pp, rloo
 from .config import (
     ADVANTAGE_ESTIMATORS,
     GROUP_FILTERS,
@@ -19,6 +19,7 @@ from .config import (
     dynamic_sampling,
     validate_algorithm,
 )
+from .distill import distill_advantages, reverse_kl
 from .filters import group_filter, zero_variance
 from .logprobs import chunked_logprobs, full_logprobs
 from .losses import (
@@ -50,6 +51,7 @@ __all__ = [
     "chunked_logprobs",
     "cispo_loss",
     "compute_advantages",
+    "distill_advantages",
     "dr_grpo",
     "dynamic_sampling",
     "full_logprobs",
@@ -60,10 +62,12 @@ __all__ = [
     "is_weights",
     "kl_penalty",
     "metric_floats",
+    "no_advantage",
     "policy_loss",
     "policy_loss_terms",
     "ppo_clip_loss",
     "reinforce_pp",
+    "reverse_kl",
     "rloo",
     "truncated_is_weights",
     "validate_algorithm",

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from .config import ADVANTAGE_ESTIMATORS, unknown_choice
 
-__all__ = ["compute_advantages", "dr_grpo", "grpo", "reinforce_pp", "rloo"]
+__all__ = ["compute_advantages", "dr_grpo", "grpo", "no_advantage", "reinforce_pp", "rloo"]
 
 
 def _as_float(rewards: Tensor) -> Tensor:
@@ -131,11 +131,19 @@ def reinforce_pp(
     return centered / (std + eps)
 
 
+def no_advantage(rewards: Tensor, group_ids: Tensor | None = None) -> Tensor:
+    """``none``: 0 for every trajectory: the reward is logged (and evaluated), not learned
+    from. Only meaningful with another signal per token: on-policy distillation
+    (``algorithm.distill_coef``) from the reward-bearing task's own samples."""
+    return torch.zeros_like(_as_float(rewards))
+
+
 _ESTIMATORS: dict[str, Callable[..., Tensor]] = {
     "grpo": grpo,
     "dr_grpo": dr_grpo,
     "rloo": rloo,
     "reinforce_pp": reinforce_pp,
+    "none": no_advantage,
 }
 
 

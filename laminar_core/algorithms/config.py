@@ -28,10 +28,11 @@ __all__ = [
     "dynamic_sampling",
     "unknown_choice",
     "validate_algorithm",
+    "validate_distill",
 ]
 
 # Names accepted by ``compute_advantages`` (see ``advantages.py``).
-ADVANTAGE_ESTIMATORS: tuple[str, ...] = ("grpo", "dr_grpo", "rloo", "reinforce_pp")
+ADVANTAGE_ESTIMATORS: tuple[str, ...] = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "none")
 # Names accepted by ``policy_loss`` for ``off_policy`` (see ``losses.py``).
 OFF_POLICY_CORRECTIONS: tuple[str, ...] = ("none", "tis", "decoupled")
 # Names accepted by ``aggregate`` (see ``losses.py``).
@@ -119,7 +120,9 @@ def validate_algorithm(cfg: Any) -> None:
             ``is_cap`` must be positive (a zero cap would zero every weighted token); the
             rollout correction (``is_level`` other than ``token``, ``is_mask``) needs
             ``off_policy`` ``tis`` or ``decoupled``; the mask band must hold 1; and
-            ``dynamic_sampling`` must read (``dynamic_sampling``).
+            ``dynamic_sampling`` must read (``dynamic_sampling``); ``distill_coef`` needs
+            ``teacher.model`` (and ``teacher.replicas >= 1``), and advantage ``none`` needs
+            ``distill_coef`` (else nothing is learned).
     """
     for field, known in (
         ("advantage", ADVANTAGE_ESTIMATORS),
@@ -171,3 +174,35 @@ def validate_algorithm(cfg: Any) -> None:
             f"e.g. mask_low: 0.5, mask_high: 2.0"
         )
     dynamic_sampling(cfg)
+    validate_distill(cfg)
+
+
+def validate_distill(cfg: Any) -> None:
+    """``algorithm.distill_coef`` / ``algorithm.teacher`` / advantage ``none`` (see
+    ``validate_algorithm``); the engine's capability and the vocabulary are checked where
+    the plugins are (``runtime.resolve``)."""
+    coef = getattr(cfg, "distill_coef", 0.0)
+    teacher = getattr(cfg, "teacher", None)
+    model = getattr(teacher, "model", "") if teacher is not None else ""
+    if coef < 0:
+        raise ValueError(f"algorithm.distill_coef: must be >= 0 (0: off), got {coef!r}")
+    if coef > 0 and not model:
+        raise ValueError(
+            f"algorithm.distill_coef: {coef!r} needs a teacher to distill from: set "
+            "algorithm.teacher.model to its model directory (or distill_coef: 0)"
+        )
+    if model and coef == 0:
+        raise ValueError(
+            "algorithm.teacher: a teacher is set but algorithm.distill_coef is 0, so its "
+            "scores would not be used: set distill_coef (e.g. 1.0) or remove the teacher"
+        )
+    if model and teacher.replicas < 1:
+        raise ValueError(
+            f"algorithm.teacher.replicas: must be >= 1, got {teacher.replicas!r}"
+        )
+    if cfg.advantage == "none" and coef == 0:
+        raise ValueError(
+            "algorithm.advantage: 'none' learns nothing from the reward; it is for on-policy "
+            "distillation alone: set algorithm.distill_coef and algorithm.teacher (or another "
+            "advantage)"
+        )

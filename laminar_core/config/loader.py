@@ -37,6 +37,9 @@ class ResolvedConfig:
     cfg: LaminarConfig
     engine_options: dict[str, Any] = field(default_factory=dict)  # section -> Options | None
     source: str = ""
+    # algorithm.teacher's own config: the run's with the teacher's model and engine (its
+    # replicas are built from it; ``runtime.resolve.resolve_teacher``); None: no teacher
+    teacher: ResolvedConfig | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self.cfg)

@@ -281,6 +281,22 @@ class TelemetryConfig:
 
 
 @dataclass
+class TeacherConfig:
+    """``algorithm.teacher``: the teacher of on-policy distillation (``algorithm.distill_coef``).
+
+    ``model``: a local Hugging Face directory (empty: no teacher) whose tokenizer is the
+    student's (``model.path``); ``engine``: the rollout engine that serves it (empty:
+    ``rollout.engine``; it must implement ``RolloutEngine.score``; its options are its
+    ``rollout.<engine>`` section); ``replicas``: teacher replicas, each hosted like a rollout
+    replica (``cluster.gpus_per_replica``, ``runtime.cpus_per_replica``) beside the student's.
+    """
+
+    model: str = ""
+    engine: str = ""
+    replicas: int = 1
+
+
+@dataclass
 class AlgorithmConfig:
     """RL objective settings (the ``algorithm:`` section of the run config).
 
@@ -315,6 +331,10 @@ class AlgorithmConfig:
             (``fn(rewards: list[float]) -> bool``, True: drop), the run stops once more than
             ``max_rate`` of a step's worth of groups were dropped ``patience`` times in a row
             (0: never).
+        teacher: the teacher of on-policy distillation (``TeacherConfig``).
+        distill_coef: weight of the per-token reverse KL to the teacher in each token's
+            advantage (``algorithms.distill``); 0: off. Needs ``teacher.model``; without a
+            reward (no ``reward.fn`` and no task reward) it is reward-free distillation.
     """
 
     advantage: str = "grpo"
@@ -332,6 +352,8 @@ class AlgorithmConfig:
     mask_low: float = 0.5
     mask_high: float = 2.0
     dynamic_sampling: Any = False
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
+    distill_coef: float = 0.0
 
 
 @dataclass

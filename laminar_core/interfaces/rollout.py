@@ -39,6 +39,10 @@ class RolloutEngine(abc.ABC):
     5. ``await stats()`` at any time (also the heartbeat).
     6. ``await stop()`` once.
 
+    Optional: an engine with ``scores_tokens = True`` implements ``score`` (a teacher of
+    on-policy distillation scores the student's trajectories with it, ``algorithm.teacher``);
+    it may be called concurrently with everything above but ``update_weights``.
+
     What training relies on:
 
     * **Never block the event loop.** The manager, the heartbeats, the relay events and
@@ -71,6 +75,9 @@ class RolloutEngine(abc.ABC):
     #: receives is then a LoRA adapter (PEFT names, ``laminar_core.training.lora``) over the
     #: unchanged base model; the config is refused otherwise.
     hot_loads_lora: bool = False
+    #: True when the engine implements ``score`` (``algorithm.teacher`` needs it; the
+    #: config is refused otherwise).
+    scores_tokens: bool = False
 
     @abc.abstractmethod
     async def start(self) -> None:
@@ -119,6 +126,17 @@ class RolloutEngine(abc.ABC):
         An engine without a paged KV cache reports what it holds in flight (prompt +
         generated tokens) against its own limit of tokens in flight. Repack reads these to
         pick ramp-down replicas; it must be cheap (it is also the heartbeat)."""
+
+    async def score(self, prompt_ids: list[int], response_ids: list[int]) -> list[float]:
+        """The log-prob of each response token given everything before it, under the weights
+        the engine holds: ``log_softmax(logits)`` (temperature 1, no sampling processors) of
+        ``response_ids[i]`` after ``prompt_ids + response_ids[:i]``, one float per response
+        token (the prompt's own tokens are not scored). Nothing is generated and nothing is
+        kept once it returns. Optional: only engines with ``scores_tokens = True`` implement
+        it (vLLM's prompt log-probs, SGLang's input log-probs)."""
+        raise NotImplementedError(
+            f"{type(self).__name__} cannot score tokens (scores_tokens is False)"
+        )
 
     @abc.abstractmethod
     async def stop(self) -> None:

@@ -34,6 +34,7 @@ from laminar_core.loop.manager import RolloutManager
 from laminar_core.loop.sampling import BatchSource
 from laminar_core.loop.steps import FailedSteps, StepRecord, metrics_row, tool_metrics
 from laminar_core.loop.stopping import StopRequested
+from laminar_core.loop.teacher import teacher_metrics
 from laminar_core.loop.trainer_group import TrainerGroup
 from laminar_core.relay.tier import PublishResult, RelayTier
 from laminar_core.telemetry import EventLog, MetricsWriter, RolloutDump
@@ -264,7 +265,11 @@ class Controller:
             stall=pub.stall_seconds,
             metrics=dict(metrics),
             reward_mean=sum(rewards) / len(rewards) if rewards else None,
-            rollout={**tool_metrics(trajs), **self._filter_metrics(batch, filtered)},
+            rollout={
+                **tool_metrics(trajs),
+                **self._filter_metrics(batch, filtered),
+                **teacher_metrics(trajs),
+            },
         )
         self.records.append(rec)
         self.events.record(WaitData(t=t1, actor="trainer", duration=t1 - t0, step=step))

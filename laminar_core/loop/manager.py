@@ -43,6 +43,7 @@ from laminar_core.loop.recovery import Recovery, RestartFn, RestartRelayFn
 from laminar_core.loop.schedules import Schedule
 from laminar_core.loop.supervisor import NodeRelayLike, ReplicaSlot, ReplicaSupervisor
 from laminar_core.loop.tasks import ManagerTasks
+from laminar_core.loop.teacher import TeacherPool
 from laminar_core.loop.updates import WeightUpdates
 from laminar_core.telemetry import EventLog
 from laminar_core.telemetry.events import GroupFiltered, ReplicaAdded, ReplicaFailed
@@ -72,6 +73,7 @@ class RolloutManager:
         restart: RestartFn | None = None,
         episodes: Episodes | None = None,
         dynamic_sampling: DynamicSampling | None = None,
+        teacher: TeacherPool | None = None,
     ) -> None:
         self.slots = slots
         self.prompts = prompts
@@ -97,7 +99,9 @@ class RolloutManager:
             fail,
             reward_fn,
             episodes,
+            teacher,
         )
+        self.teacher = teacher  # on-policy distillation's teacher replicas (None: none)
         self.updates = WeightUpdates(
             self.supervisor,
             self.placement,
@@ -141,7 +145,10 @@ class RolloutManager:
         self.tasks.start()
         if self.episodes is not None:
             await self.episodes.start()
-        await asyncio.gather(*(s.engine.start() for s in self.slots))
+        await asyncio.gather(
+            *(s.engine.start() for s in self.slots),
+            *([self.teacher.start()] if self.teacher is not None else []),
+        )
         if self.agents is not None:
             await self.agents.start()
         for relay in {id(s.relay): s.relay for s in self.slots}.values():
@@ -164,7 +171,9 @@ class RolloutManager:
         if self.agents is not None:
             await self.agents.stop()
         await asyncio.gather(
-            *(s.engine.stop() for s in self.slots if s.alive), return_exceptions=True
+            *(s.engine.stop() for s in self.slots if s.alive),
+            *([self.teacher.stop()] if self.teacher is not None else []),
+            return_exceptions=True,
         )
         if self.episodes is not None:
             await self.episodes.close()

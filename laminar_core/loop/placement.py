@@ -32,6 +32,7 @@ from laminar_core.loop.dispatch import load
 from laminar_core.loop.episodes import EpisodeRestart, Episodes
 from laminar_core.loop.supervisor import ReplicaSlot, ReplicaSupervisor
 from laminar_core.loop.tasks import ManagerTasks
+from laminar_core.loop.teacher import TeacherPool
 from laminar_core.telemetry import EventLog
 from laminar_core.telemetry.events import TrajectoryDone
 from laminar_core.types import FinishReason, GenerationRequest, PartialTrajectory, Trajectory
@@ -93,6 +94,7 @@ class Placement:
         fail: Callable[[ReplicaSlot, str], None],
         reward_fn: RewardFn | None = None,
         episodes: Episodes | None = None,
+        teacher: TeacherPool | None = None,
     ) -> None:
         self.supervisor = supervisor
         self.pool = pool
@@ -104,6 +106,7 @@ class Placement:
         self.fail = fail
         self.reward_fn = reward_fn
         self.episodes = episodes  # multi-turn: the environment's episodes (None: single-turn)
+        self.teacher = teacher  # on-policy distillation: scores each finished trajectory
         # need a replica of any version: from scratch (None), or a multi-turn trajectory's
         # next turn whose own replica is not taking work
         self.orphans: deque[tuple[InFlight, PartialTrajectory | None]] = deque()
@@ -268,6 +271,34 @@ class Placement:
         self.kick()
 
     async def _score(self, traj: Trajectory) -> None:
+        """The reward and, with a teacher, the teacher's log-probs, at once (both wait on
+        other workers: reward threads, teacher replicas). A reward or a teacher score that
+        raises fails the trajectory, not the run. Without a reward, a trajectory the teacher
+        scored gets reward 0 (reward-free distillation: its tokens' advantages are the
+        distillation term alone)."""
+        if self.teacher is None or traj.finish_reason is FinishReason.FAILED:
+            await self._reward(traj)
+            return
+        _, err = await asyncio.gather(
+            self._reward(traj), self._teacher_score(traj)
+        )
+        if err is not None and traj.finish_reason is not FinishReason.FAILED:
+            traj.finish_reason = FinishReason.FAILED
+            traj.error = err
+        elif traj.reward is None and self.reward_fn is None and "env_reward" not in traj.metadata:
+            traj.reward = 0.0
+
+    async def _teacher_score(self, traj: Trajectory) -> str | None:
+        assert self.teacher is not None
+        try:
+            await self.teacher.score(traj)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            return f"teacher: {type(e).__name__}: {e}"
+        return None
+
+    async def _reward(self, traj: Trajectory) -> None:
         """The environment's reward if it scored the episode, else the run's reward; a reward
         that raises fails the trajectory, not the run."""
         env_reward = traj.metadata.get("env_reward")

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from laminar_core.config.loader import ResolvedConfig
-from laminar_core.interfaces import RolloutEngine, TrainerContext, build
+from laminar_core.interfaces import BuildContext, RolloutEngine, TrainerContext, build
 from laminar_core.loop.manager import RewardFn
 from laminar_core.loop.trainer_group import LocalTrainerGroup, TrainerGroup
 from laminar_core.plugins import PluginManager
@@ -44,6 +44,28 @@ class LocalRuntime:
         ctx = spec.context("rollout", index, f"r{index}", cfg.cluster.gpus_per_replica, self.shared)
         return build(factory, ctx)
 
+    def _teachers(self) -> list[RolloutEngine]:
+        """``algorithm.teacher``'s replicas, built from the teacher's config."""
+        teacher = self.spec.resolved.teacher
+        if teacher is None:
+            return []
+        cfg = teacher.cfg
+        factory = self.spec.pm.get("rollout", cfg.rollout.engine)
+        return [
+            build(
+                factory,
+                BuildContext(
+                    cfg,
+                    teacher.engine_options.get("rollout"),
+                    i,
+                    f"t{i}",
+                    cfg.cluster.gpus_per_replica,
+                    self.shared,
+                ),
+            )
+            for i in range(self.spec.resolved.cfg.algorithm.teacher.replicas)
+        ]
+
     def _trainer(self) -> TrainerGroup:
         spec = self.spec
         cfg = spec.resolved.cfg
@@ -64,7 +86,9 @@ class LocalRuntime:
             **relay_tier_options(spec.resolved),
         )
         replicas = [self._replica(i) for i in range(place.replicas)]
-        started = Started(self._trainer(), replicas, tier, relays, place)
+        started = Started(
+            self._trainer(), replicas, tier, relays, place, teachers=self._teachers()
+        )
         return assemble(spec, started, self)
 
     async def start(self) -> Run:

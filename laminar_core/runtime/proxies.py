@@ -39,7 +39,10 @@ from laminar_core.types import (
 class RayRolloutEngine(RolloutEngine):
     """A replica actor as a ``RolloutEngine``. ``shm_files`` lists the shared-memory files
     its engine mapped once started (the runtime removes them if the actor dies without a
-    goodbye)."""
+    goodbye). ``score`` is forwarded as is: the config checked that the actor's engine has
+    it (``algorithm.teacher``)."""
+
+    scores_tokens = True
 
     def __init__(self, replica_id: str, handle: Any) -> None:
         self.replica_id = replica_id
@@ -92,6 +95,9 @@ class RayRolloutEngine(RolloutEngine):
         # a node relay's shared memory (a few bytes: the replica maps the weights on its
         # own node), or a version without tensors
         await self._call("update_weights", weights)
+
+    async def score(self, prompt_ids: list[int], response_ids: list[int]) -> list[float]:
+        return await self._call("score", list(prompt_ids), list(response_ids))
 
     async def stats(self) -> EngineStats:
         return await self._call("stats")

@@ -158,6 +158,8 @@ class RayRuntime:
         self.replica_handles: list[Any] = []
         self.replica_engines: list[RayRolloutEngine] = []  # the proxies, per replica
         self.replica_nodes: list[str] = []  # Ray node id per replica
+        self.teacher_engines: list[RayRolloutEngine] = []  # algorithm.teacher's replicas
+        self.teacher_nodes: list[str] = []
         self.relay_nodes: list[str] = []  # Ray node id per relay
         self.own_cluster = False  # this run started the local Ray cluster: it ends with it
         self._known_nodes: set[str] = set()  # runtime.elastic: nodes already considered
@@ -177,10 +179,15 @@ class RayRuntime:
         replica = {"CPU": rt.cpus_per_replica}
         if self.gpu:
             replica["GPU"] = float(cfg.cluster.gpus_per_replica)
-        bundles = [trainer] * place.trainer_gpus + [replica] * place.replicas
+        bundles = [trainer] * place.trainer_gpus + [replica] * (place.replicas + self._teachers())
         cpus = sum(b["CPU"] for b in bundles)
         gpus = sum(b.get("GPU", 0.0) for b in bundles)
         return bundles, cpus, gpus
+
+    def _teachers(self) -> int:
+        """Teacher replicas (``algorithm.teacher``): each a rollout replica's bundle."""
+        resolved = self.spec.resolved
+        return resolved.cfg.algorithm.teacher.replicas if resolved.teacher is not None else 0
 
     async def _reserve(self) -> None:
         rt = self.spec.resolved.cfg.runtime
@@ -239,6 +246,32 @@ class RayRuntime:
         self.actors.append(actor)
         return actor
 
+    def _teacher_actor(self, index: int) -> Any:
+        """Teacher replica ``index``'s actor (``algorithm.teacher``): a rollout replica's
+        host serving the teacher's config, in a bundle after the replicas'."""
+        teacher = self.spec.resolved.teacher
+        assert teacher is not None
+        cfg = self.spec.resolved.cfg
+        bundle = self.spec.placement.trainer_gpus + self.spec.placement.replicas + index
+        actor = (
+            ray.remote(RolloutHost)
+            .options(
+                num_cpus=cfg.runtime.cpus_per_replica,
+                num_gpus=float(cfg.cluster.gpus_per_replica) if self.gpu else 0,
+                scheduling_strategy=self._at(bundle),
+                max_concurrency=1 << 16,  # one score call per trajectory being scored
+            )
+            .remote(
+                teacher.to_yaml(),
+                index,
+                f"t{index}",
+                cfg.cluster.gpus_per_replica,
+                self._log(f"teacher-t{index}"),
+            )
+        )
+        self.actors.append(actor)
+        return actor
+
     def _trainer_actors(self) -> list[Any]:
         rt = self.spec.resolved.cfg.runtime
         world = self.spec.placement.trainer_gpus
@@ -274,7 +307,8 @@ class RayRuntime:
         # the tokenizer (transformers' import: ~3 s here) and the prompts load on a thread
         # while Ray and the actors start: the driver mostly waits for other processes then
         data = loop.run_in_executor(None, prepare)
-        needed = place.trainer_gpus * rt.cpus_per_trainer + place.replicas * rt.cpus_per_replica
+        needed = place.trainer_gpus * rt.cpus_per_trainer
+        needed += (place.replicas + self._teachers()) * rt.cpus_per_replica
         t0 = loop.time()
         try:
             self.own_cluster = init_ray(resolved, needed)
@@ -289,6 +323,7 @@ class RayRuntime:
             replicas = self.replica_handles = [
                 self._replica_actor(i) for i in range(place.replicas)
             ]
+            teachers = [self._teacher_actor(i) for i in range(self._teachers())]
             # The actors' processes start (imports: seconds of CPU each) while the data
             # thread finishes, rather than after it. A bad data file or reward fails here;
             # the actors started so far are released below, as for any start-up failure.
@@ -297,6 +332,9 @@ class RayRuntime:
             try:
                 nodes = await _with_timeout(
                     asyncio.gather(*(h.node_id.remote() for h in replicas)), rt.start_timeout_s
+                )
+                self.teacher_nodes = await _with_timeout(
+                    asyncio.gather(*(h.node_id.remote() for h in teachers)), rt.start_timeout_s
                 )
                 init = await ranks[0].rendezvous.remote()
             except Exception as e:
@@ -309,11 +347,15 @@ class RayRuntime:
             engines = self.replica_engines = [
                 RayRolloutEngine(f"r{i}", h) for i, h in enumerate(replicas)
             ]
+            self.teacher_engines = [RayRolloutEngine(f"t{i}", h) for i, h in enumerate(teachers)]
             try:
                 await _with_timeout(
                     asyncio.gather(
                         self._timed("trainer", trainer.setup()),
                         self._timed("replicas", asyncio.gather(*(e.start() for e in engines))),
+                        self._timed(
+                            "teachers", asyncio.gather(*(e.start() for e in self.teacher_engines))
+                        ),
                         self._timed("relays", self._relays_up(tier)),
                     ),
                     rt.start_timeout_s,
@@ -338,6 +380,7 @@ class RayRuntime:
             dataset,
             report,
             tokenizer,
+            teachers=cast(list[RolloutEngine], self.teacher_engines),
         )
         run = assemble(spec, started, self)
         if cfg.runtime.elastic:
@@ -427,6 +470,8 @@ class RayRuntime:
         self.actors.clear()
         for index in range(len(self.replica_engines)):
             self._remove_shm(index)
+        for engine, node in zip(self.teacher_engines, self.teacher_nodes, strict=False):
+            self._remove_files(engine.shm_files, node)
         if self.pg is not None:
             with contextlib.suppress(Exception):
                 remove_placement_group(self.pg)
@@ -503,13 +548,16 @@ class RayRuntime:
     def _remove_shm(self, index: int) -> None:
         """Remove the shared-memory files replica ``index``'s engine left (on its node)."""
         files = self.replica_engines[index].shm_files if index < len(self.replica_engines) else []
+        self._remove_files(files, self.replica_nodes[index] if files else "")
+
+    def _remove_files(self, files: list[str], node: str) -> None:
+        """Remove ``files`` on Ray node ``node`` (an actor's shared-memory leftovers)."""
         if not files:
             return
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         from laminar_core.runtime.hosts import remove_files
 
-        node = self.replica_nodes[index]
         with contextlib.suppress(Exception):  # the node is gone: so is its /dev/shm
             task = ray.remote(num_cpus=0)(remove_files).options(
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)

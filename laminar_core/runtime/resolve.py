@@ -13,7 +13,9 @@ stay strings).
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
+import json
 import typing
 from pathlib import Path
 from typing import Any
@@ -236,7 +238,81 @@ def resolve(
     check_values(cfg)
     validate(cfg, pm)
     check_lora_engines(cfg, pm)
-    return ResolvedConfig(cfg, options, source)
+    return ResolvedConfig(cfg, options, source, resolve_teacher(raw, cfg, pm, source))
+
+
+def resolve_teacher(
+    raw: dict[str, Any], cfg: LaminarConfig, pm: PluginManager, source: str = ""
+) -> ResolvedConfig | None:
+    """``algorithm.teacher``'s config (None: no teacher): the run's, serving the teacher's
+    model with the teacher's engine (its ``rollout.<engine>`` options), no LoRA and no
+    teacher of its own. Refused (``ConfigError``, one line) when the engine is unknown or
+    cannot score tokens (``RolloutEngine.scores_tokens``), or the teacher's tokenizer is not
+    the student's (its log-probs would be of other tokens)."""
+    t = cfg.algorithm.teacher
+    if not t.model:
+        return None
+    engine = t.engine or cfg.rollout.engine
+    try:
+        factory = pm.get("rollout", engine)
+    except UnknownPluginError as e:
+        raise ConfigError(f"algorithm.teacher.engine: {e}") from None
+    if not getattr(factory, "scores_tokens", False):
+        capable = sorted(
+            n for n in pm.names("rollout") if getattr(pm.get("rollout", n), "scores_tokens", 0)
+        )
+        raise ConfigError(
+            f"algorithm.teacher.engine: rollout engine '{engine}' cannot score tokens "
+            f"(RolloutEngine.score): use one that can ({', '.join(capable) or 'none installed'})"
+        )
+    check_same_vocabulary(cfg.model.path, t.model)
+    own = copy.deepcopy(raw)
+    apply_overrides(
+        own,
+        [
+            f"model.path={t.model}",
+            f"rollout.engine={engine}",
+            "trainer.lora.rank=0",
+            "algorithm.teacher={}",
+            "algorithm.distill_coef=0",
+            "algorithm.advantage=grpo",
+        ],
+    )
+    return resolve(own, (), pm, source)
+
+
+def _vocabulary(path: str) -> tuple[str, Any]:
+    """What fixes a model directory's token ids: its ``tokenizer.json`` vocabulary and added
+    tokens (else ``vocab.json``); ``("", None)`` when it has neither."""
+    p = Path(path).expanduser()
+    tj = p / "tokenizer.json"
+    if tj.is_file():
+        data = json.loads(tj.read_text())
+        added = sorted((a["id"], a["content"]) for a in data.get("added_tokens", []))
+        return "tokenizer.json", (data.get("model", {}).get("vocab"), added)
+    vj = p / "vocab.json"
+    if vj.is_file():
+        return "vocab.json", json.loads(vj.read_text())
+    return "", None
+
+
+def check_same_vocabulary(student: str, teacher: str) -> None:
+    """``ConfigError`` when ``algorithm.teacher.model``'s tokenizer maps ids to other tokens
+    than the student's (``model.path``), or the teacher directory is not a model."""
+    if not (Path(teacher).expanduser() / "config.json").is_file():
+        raise ConfigError(
+            f"algorithm.teacher.model: {teacher!r} is not a Hugging Face model directory (no "
+            "config.json): point it at the teacher's local directory"
+        )
+    if not student or not (Path(student).expanduser() / "config.json").is_file():
+        return  # model.path's own check names that
+    (skind, svocab), (tkind, tvocab) = _vocabulary(student), _vocabulary(teacher)
+    if skind and tkind and svocab != tvocab:
+        raise ConfigError(
+            f"algorithm.teacher.model: {teacher!r} has another tokenizer than the student "
+            f"({student!r}: their {tkind} vocabularies differ), so its log-probs are of other "
+            "tokens; distill from a teacher of the same tokenizer family"
+        )
 
 
 def check_lora_engines(cfg: LaminarConfig, pm: PluginManager) -> None:

@@ -18,7 +18,7 @@ started again.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -50,6 +50,8 @@ class Started:
     dataset: Sequence[Prompt] | None = None  # None: data.source without a tokenizer
     data_report: DataReport | None = None
     tokenizer: Any = None  # the model's (multi-turn: observations are tokenised in the driver)
+    # algorithm.teacher's replicas (engines with ``score``), not started yet; empty: none
+    teachers: list[RolloutEngine] = field(default_factory=list)
 
 
 @dataclass

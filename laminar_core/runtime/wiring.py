@@ -23,6 +23,7 @@ from laminar_core.loop.episodes import Episodes
 from laminar_core.loop.evaluation import Evaluation, build_eval_prompts
 from laminar_core.loop.manager import ManagerOptions, ReplicaSlot, RewardFn, RolloutManager
 from laminar_core.loop.schedules import Schedule
+from laminar_core.loop.teacher import TeacherPool
 from laminar_core.plugins import PluginManager, default_manager
 from laminar_core.relay.node import NodeRelay
 from laminar_core.runtime.placement import Placement, plan_placement
@@ -147,6 +148,7 @@ def assemble(spec: RunSpec, started: Started, runtime: Runtime) -> Run:
         events=events,
         episodes=episodes,
         dynamic_sampling=sampling,
+        teacher=TeacherPool(started.teachers) if started.teachers else None,
     )
     if cfg.agent.entrypoint or cfg.agent.command:  # ``runtime.agents.agents_enabled``
         # every rollout is an agent episode through the gateway; imported only here, so a

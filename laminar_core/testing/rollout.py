@@ -438,6 +438,40 @@ class _Kit:
             self.report.ok("log-probs are log_softmax(logits / temperature) of the sampled tokens")
         else:
             self.report.skip("log-probs", "no model_dir: the engine's numbers are not checked")
+        await self.scoring(a, outs)
+
+    async def scoring(self, a: RolloutEngine, outs: list[Trajectory]) -> None:
+        """The optional ``score`` (``scores_tokens``): one log-prob per response token, each
+        ``log_softmax(logits)`` (temperature 1) of that token after the same prefix, as a
+        transformers forward computes it; concurrent calls are each their own."""
+        rule = "score(): log_softmax(logits) of each given token after its prefix"
+        if not getattr(a, "scores_tokens", False):
+            self.report.skip(rule, "scores_tokens is False (an optional capability)")
+            return
+        if self.ref is None:
+            self.report.skip(rule, "no model_dir: the engine's numbers are not checked")
+            return
+        trajs = [t for t in outs if t.response_ids]
+        got = await self.call(
+            "score",
+            asyncio.gather(*(a.score(list(t.prompt_ids), list(t.response_ids)) for t in trajs)),
+        )
+        worst = 0.0
+        for t, lps in zip(trajs, got, strict=True):
+            require(
+                len(lps) == len(t.response_ids),
+                f"score() returned {len(lps)} log-probs for {len(t.response_ids)} response "
+                "tokens: one per response token (the prompt's own are not scored)",
+            )
+            ref = self.ref.logprobs(list(t.prompt_ids), list(t.response_ids), 1.0)
+            worst = max(worst, float((ref - torch.tensor(lps, dtype=torch.float64)).abs().max()))
+        require(
+            worst <= self.atol,
+            f"score(): the log-probs differ from a transformers forward of the same weights by "
+            f"up to {worst:.3g} (logprob_atol={self.atol:g}); each is log_softmax(logits) of "
+            "the given token at temperature 1, under the weights the engine holds",
+        )
+        self.report.ok(rule)
 
     async def abort_and_resume(
         self, a: RolloutEngine, v0: int, expect_partial: bool

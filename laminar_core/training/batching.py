@@ -99,7 +99,8 @@ class MicroBatch:
     response; ``None`` on forward-only micro-batches): ``loss_mask`` (1 where a token counts:
     ``Trajectory.loss_mask``), ``advantages`` (``[k]``), ``behaviour_logprobs`` (the rollout
     engine's), ``old_logprobs`` (the trainer's recomputation before the step, when the
-    off-policy correction uses it).
+    off-policy correction uses it), ``teacher_logprobs`` (on-policy distillation's teacher,
+    ``Trajectory.teacher_logprobs``; ``advantages`` are then per token, ``[k, T]``).
     """
 
     input_ids: torch.Tensor  # [R, L]
@@ -113,6 +114,7 @@ class MicroBatch:
     advantages: torch.Tensor | None = None
     behaviour_logprobs: torch.Tensor | None = None
     old_logprobs: torch.Tensor | None = None
+    teacher_logprobs: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

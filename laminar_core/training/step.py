@@ -18,7 +18,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from laminar_core.algorithms import compute_advantages, policy_loss_terms
+from laminar_core.algorithms import (
+    compute_advantages,
+    distill_advantages,
+    policy_loss_terms,
+    reverse_kl,
+)
 from laminar_core.interfaces.trainer import to_device
 from laminar_core.training.batching import (
     BatchLayout,
@@ -118,6 +123,23 @@ class TrainStep:
         mb.loss_mask = padded([trajs[i].response_mask() for i in mb.index], width)
         mb.behaviour_logprobs = padded([trajs[i].logprobs for i in mb.index], width)
         mb.advantages = self.advantages[mb.index]
+        coef = getattr(self.algo, "distill_coef", 0.0)
+        if coef > 0:  # on-policy distillation: each token's own advantage
+            rows = []
+            for i in mb.index:
+                t = trajs[i]
+                if len(t.teacher_logprobs) != len(t.response_ids):
+                    raise RuntimeError(
+                        f"algorithm.distill_coef={coef!r} needs the teacher's log-probs of "
+                        f"every response token (trajectory {t.traj_id} has "
+                        f"{len(t.teacher_logprobs)} for {len(t.response_ids)}): is "
+                        f"algorithm.teacher set for the run that generated it?"
+                    )
+                rows.append(t.teacher_logprobs)
+            mb.teacher_logprobs = padded(rows, width)
+            mb.advantages = distill_advantages(
+                mb.advantages, mb.behaviour_logprobs, mb.teacher_logprobs, mb.loss_mask, coef
+            )
         if self.algo.off_policy != "none":
             rows = []
             for i in mb.index:
@@ -170,6 +192,10 @@ class TrainStep:
             if reports:
                 for k, v in metrics.items():
                     self._add(k, v.double() * frac)
+                if mb.teacher_logprobs is not None:  # the student's reverse KL to its teacher
+                    rkl = reverse_kl(behaviour, to_device(mb.teacher_logprobs, dev), mask)
+                    n = mask.sum().clamp_min(1).double()
+                    self._add("distill_reverse_kl", rkl.sum().double() / n * frac)
                 if entropy is not None:
                     _check_response_shape("loss_fn's entropy", entropy, mb)
                     self._add("entropy", (entropy.detach() * mask).sum().double() / max(1, tokens))

@@ -90,6 +90,7 @@ class SGLangRolloutEngine(RolloutEngine):
 
     Options = SGLangOptions
     hot_loads_lora = True  # trainer.lora: versions load as SGLang LoRA adapters
+    scores_tokens = True  # algorithm.teacher: input log-probs over given ids (``score``)
 
     @classmethod
     def from_config(cls, ctx: BuildContext) -> SGLangRolloutEngine:
@@ -425,6 +426,16 @@ class SGLangRolloutEngine(RolloutEngine):
                 with contextlib.suppress(Exception):
                     await self._send({"op": "abort", "rids": [live.request_id]})
             raise
+
+    async def score(self, prompt_ids: list[int], response_ids: list[int]) -> list[float]:
+        """The response tokens' log-probs given their prefixes (``RolloutEngine.score``):
+        SGLang's input-token log-probs of ``prompt_ids + response_ids`` (``return_logprob``
+        from ``logprob_start_len`` 0; the host's ``_op_score``)."""
+        if not response_ids:
+            return []
+        ids = [*prompt_ids, *response_ids]
+        got = await self._call("score", input_ids=ids, start=len(prompt_ids))
+        return [float(x) for x in got]
 
     async def abort(self, traj_ids: list[str]) -> list[PartialTrajectory]:
         self._check()

@@ -196,6 +196,27 @@ class _Host:
         channel.send(self.writer, reply)
         await self.writer.drain()
 
+    async def _op_score(self, input_ids: list[int], start: int) -> list[float]:
+        """``RolloutEngine.score``: the input log-probs of ``input_ids[start:]`` (each given
+        the tokens before it; raw logits, temperature 1), one token generated and dropped.
+        ``logprob_start_len`` 0 keeps SGLang from serving the positions from its radix cache
+        without logits."""
+        out = await self.engine.async_generate(
+            input_ids=input_ids,
+            sampling_params={"max_new_tokens": 1, "temperature": 1.0},
+            return_logprob=True,
+            logprob_start_len=0,
+        )
+        got = out["meta_info"]["input_token_logprobs"]  # (logprob, token id, text) each
+        skip = len(got) - len(input_ids)  # 0: position 0 is listed (logprob None); -1: not
+        if skip not in (0, -1):
+            raise RuntimeError(f"{len(got)} input log-probs for {len(input_ids)} tokens")
+        rows = got[start + skip :]
+        for (_, tid, *_), want in zip(rows, input_ids[start:], strict=True):
+            if tid is not None and int(tid) != want:
+                raise RuntimeError(f"input log-prob of token {tid}, expected {want}")
+        return [float(lp) for lp, *_ in rows]
+
     async def _op_stats(self) -> dict[str, int] | None:
         loads = await self.tm.get_loads()
         if not loads:

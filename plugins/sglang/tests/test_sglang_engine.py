@@ -347,7 +347,7 @@ def test_conformance_kit(rt, engines, model_dir, monkeypatch):
         monkeypatch.setattr(eng, "start", started)
         monkeypatch.setattr(eng, "stop", started)
     by_name = {"contract-a": a, "contract-b": b}
-    rt.run(
+    report = rt.run(
         check_rollout_engine(
             lambda name: by_name[name],
             prompt_ids=PROMPTS[0],
@@ -356,6 +356,8 @@ def test_conformance_kit(rt, engines, model_dir, monkeypatch):
             model_dir=model_dir,  # the kit checks weight loading and log-probs against it
         )
     )
+    # the optional capability a distillation teacher needs (algorithm.teacher) was checked
+    assert any(rule.startswith("score()") for rule in report.checked), report
 
 
 def test_dead_scheduler_is_a_replica_failure_not_a_dead_driver(rt, engines):

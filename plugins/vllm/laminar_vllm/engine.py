@@ -59,6 +59,7 @@ class VLLMRolloutEngine(RolloutEngine):
 
     Options = VLLMOptions
     hot_loads_lora = True  # trainer.lora: versions load as LoRARequests
+    scores_tokens = True  # algorithm.teacher: prompt log-probs over given ids (``score``)
 
     @classmethod
     def from_config(cls, ctx: BuildContext) -> VLLMRolloutEngine:
@@ -275,6 +276,49 @@ class VLLMRolloutEngine(RolloutEngine):
                 self._dead = f"{type(e).__name__}: {e}"
                 raise ReplicaFailure(f"replica {self.replica_id}: {self._dead}") from e
             raise
+
+    async def score(self, prompt_ids: list[int], response_ids: list[int]) -> list[float]:
+        """The response tokens' log-probs given their prefixes (``RolloutEngine.score``):
+        vLLM's prompt log-probs of ``prompt_ids + response_ids`` (raw logits, no temperature:
+        prompt tokens skip the sampling processors) with one throw-away token generated.
+        vLLM does not read the prefix cache for such a request, so every position is
+        computed; the adapter of a LoRA run is not applied (a teacher serves its own
+        weights)."""
+        self._check()
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        ids = [*prompt_ids, *response_ids]
+        params = SamplingParams(
+            n=1,
+            max_tokens=1,
+            temperature=1.0,
+            prompt_logprobs=0,  # each prompt token's own log-prob, nothing more
+            detokenize=False,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+        plp = None
+        try:
+            stream = self._llm.generate(
+                TokensPrompt(prompt_token_ids=ids), params, f"score#{next(self._ids)}"
+            )
+            async for out in stream:
+                plp = out.prompt_logprobs if out.prompt_logprobs is not None else plp
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            if self._llm is None or self._llm.errored:
+                self._dead = f"{type(e).__name__}: {e}"
+                raise ReplicaFailure(f"replica {self.replica_id}: {self._dead}") from e
+            raise
+        if plp is None or len(plp) != len(ids):
+            raise RuntimeError(
+                f"replica {self.replica_id}: vLLM returned no prompt log-probs for a score "
+                f"request of {len(ids)} tokens"
+            )
+        start = len(prompt_ids)
+        return [plp[start + i][t].logprob for i, t in enumerate(response_ids)]
 
     async def abort(self, traj_ids: list[str]) -> list[PartialTrajectory]:
         self._check()
