@@ -197,9 +197,7 @@ def validate_distill(cfg: Any) -> None:
             "scores would not be used: set distill_coef (e.g. 1.0) or remove the teacher"
         )
     if model and teacher.replicas < 1:
-        raise ValueError(
-            f"algorithm.teacher.replicas: must be >= 1, got {teacher.replicas!r}"
-        )
+        raise ValueError(f"algorithm.teacher.replicas: must be >= 1, got {teacher.replicas!r}")
     if cfg.advantage == "none" and coef == 0:
         raise ValueError(
             "algorithm.advantage: 'none' learns nothing from the reward; it is for on-policy "

@@ -279,9 +279,7 @@ class Placement:
         if self.teacher is None or traj.finish_reason is FinishReason.FAILED:
             await self._reward(traj)
             return
-        _, err = await asyncio.gather(
-            self._reward(traj), self._teacher_score(traj)
-        )
+        _, err = await asyncio.gather(self._reward(traj), self._teacher_score(traj))
         if err is not None and traj.finish_reason is not FinishReason.FAILED:
             traj.finish_reason = FinishReason.FAILED
             traj.error = err

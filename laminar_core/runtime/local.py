@@ -86,9 +86,7 @@ class LocalRuntime:
             **relay_tier_options(spec.resolved),
         )
         replicas = [self._replica(i) for i in range(place.replicas)]
-        started = Started(
-            self._trainer(), replicas, tier, relays, place, teachers=self._teachers()
-        )
+        started = Started(self._trainer(), replicas, tier, relays, place, teachers=self._teachers())
         return assemble(spec, started, self)
 
     async def start(self) -> Run:

@@ -221,26 +221,26 @@ class RayRuntime:
         a node that joined) pinned to that node."""
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        cfg = self.spec.resolved.cfg
         world = self.spec.placement.trainer_gpus
         if index < self.spec.placement.replicas:
             where: Any = self._at(world + index)
         else:
             where = NodeAffinitySchedulingStrategy(self.replica_nodes[index], soft=False)
+        return self._rollout_host(self.config_yaml, index, f"r{index}", where, "replica")
+
+    def _rollout_host(self, config_yaml: str, index: int, name: str, where: Any, kind: str):
+        """A ``RolloutHost`` actor serving ``config_yaml`` (a replica's or a teacher's)."""
+        cfg = self.spec.resolved.cfg
         actor = (
             ray.remote(RolloutHost)
             .options(
                 num_cpus=cfg.runtime.cpus_per_replica,
                 num_gpus=float(cfg.cluster.gpus_per_replica) if self.gpu else 0,
                 scheduling_strategy=where,
-                max_concurrency=1 << 16,  # one generate call per in-flight trajectory
+                max_concurrency=1 << 16,  # one call per trajectory in flight (or scored)
             )
             .remote(
-                self.config_yaml,
-                index,
-                f"r{index}",
-                cfg.cluster.gpus_per_replica,
-                self._log(f"replica-r{index}"),
+                config_yaml, index, name, cfg.cluster.gpus_per_replica, self._log(f"{kind}-{name}")
             )
         )
         self.actors.append(actor)
@@ -251,26 +251,9 @@ class RayRuntime:
         host serving the teacher's config, in a bundle after the replicas'."""
         teacher = self.spec.resolved.teacher
         assert teacher is not None
-        cfg = self.spec.resolved.cfg
         bundle = self.spec.placement.trainer_gpus + self.spec.placement.replicas + index
-        actor = (
-            ray.remote(RolloutHost)
-            .options(
-                num_cpus=cfg.runtime.cpus_per_replica,
-                num_gpus=float(cfg.cluster.gpus_per_replica) if self.gpu else 0,
-                scheduling_strategy=self._at(bundle),
-                max_concurrency=1 << 16,  # one score call per trajectory being scored
-            )
-            .remote(
-                teacher.to_yaml(),
-                index,
-                f"t{index}",
-                cfg.cluster.gpus_per_replica,
-                self._log(f"teacher-t{index}"),
-            )
-        )
-        self.actors.append(actor)
-        return actor
+        where = self._at(bundle)
+        return self._rollout_host(teacher.to_yaml(), index, f"t{index}", where, "teacher")
 
     def _trainer_actors(self) -> list[Any]:
         rt = self.spec.resolved.cfg.runtime

@@ -272,10 +272,15 @@ class VLLMRolloutEngine(RolloutEngine):
         except asyncio.CancelledError:
             raise
         except Exception as e:
-            if self._llm is None or self._llm.errored:
-                self._dead = f"{type(e).__name__}: {e}"
-                raise ReplicaFailure(f"replica {self.replica_id}: {self._dead}") from e
+            self._raise_if_engine_died(e)
             raise
+
+    def _raise_if_engine_died(self, e: Exception) -> None:
+        """A request failed: ``ReplicaFailure`` if vLLM's engine died with it (else the
+        caller re-raises ``e``: that request alone failed)."""
+        if self._llm is None or self._llm.errored:
+            self._dead = f"{type(e).__name__}: {e}"
+            raise ReplicaFailure(f"replica {self.replica_id}: {self._dead}") from e
 
     async def score(self, prompt_ids: list[int], response_ids: list[int]) -> list[float]:
         """The response tokens' log-probs given their prefixes (``RolloutEngine.score``):
@@ -308,9 +313,7 @@ class VLLMRolloutEngine(RolloutEngine):
         except asyncio.CancelledError:
             raise
         except Exception as e:
-            if self._llm is None or self._llm.errored:
-                self._dead = f"{type(e).__name__}: {e}"
-                raise ReplicaFailure(f"replica {self.replica_id}: {self._dead}") from e
+            self._raise_if_engine_died(e)
             raise
         if plp is None or len(plp) != len(ids):
             raise RuntimeError(
