@@ -196,7 +196,7 @@ def validate_distill(cfg: Any) -> None:
             "algorithm.teacher: a teacher is set but algorithm.distill_coef is 0, so its "
             "scores would not be used: set distill_coef (e.g. 1.0) or remove the teacher"
         )
-    if model and teacher.replicas < 1:
+    if teacher is not None and model and teacher.replicas < 1:
         raise ValueError(f"algorithm.teacher.replicas: must be >= 1, got {teacher.replicas!r}")
     if cfg.advantage == "none" and coef == 0:
         raise ValueError(

@@ -141,7 +141,7 @@ class TrainStep:
                 mb.advantages, mb.behaviour_logprobs, mb.teacher_logprobs, mb.loss_mask, coef
             )
         if self.algo.off_policy != "none":
-            rows = []
+            recomputed = []
             for i in mb.index:
                 got = self.recomputed.get(trajs[i].traj_id)
                 if got is None:
@@ -150,8 +150,8 @@ class TrainStep:
                         f"before train_step (trajectory {trajs[i].traj_id} has no recomputed "
                         f"log-probs)"
                     )
-                rows.append(got)
-            mb.old_logprobs = padded(rows, width)
+                recomputed.append(got)
+            mb.old_logprobs = padded(recomputed, width)
 
     def loss_fn(self, c: int) -> LossFn:
         """The loss of mini-batch ``c``'s micro-batches (see :data:`LossFn`): core's
