@@ -319,6 +319,7 @@ def test_kit_reports_what_it_skipped() -> None:
         "log-probs",
         "stop strings end the response at the token that completes one",
         "weight content (TensorWeights, SharedWeights)",
+        "score(): log_softmax(logits) of each given token after its prefix",
     }
     assert "SKIP  weight content (TensorWeights, SharedWeights): model-only engine" in str(report)
     with pytest.raises(AssertionError, match="strict: checks were skipped"):
@@ -477,6 +478,7 @@ def test_stop_removes_the_shared_memory_root_once_empty(tmp_path: Path) -> None:
     def stop(run_dir: Path) -> None:
         rt = RayRuntime.__new__(RayRuntime)  # only what _release touches
         rt.actors, rt.pg, rt.shm_root, rt.replica_engines = [], None, str(run_dir), []
+        rt.teacher_engines, rt.teacher_nodes = [], []
         (run_dir / "relay0").mkdir(parents=True)
         (run_dir / "relay0" / "v3.bin").write_bytes(b"w")
         rt._release()
