@@ -128,6 +128,7 @@ def test_an_entrypoint_runs_in_the_loop_with_its_outcome_named() -> None:
         (["agent.timeout_s=0"], "agent.timeout_s must be > 0"),
         (["agent.command=[x]", "data.samples_per_prompt=2"], "needs a real rollout engine"),
         (["agent.max_attempts=0"], "agent.max_attempts must be >= 1"),
+        (["agent.entrypoint=a.b:run", "agent.sandbox=true"], "agent.command programs only"),
     ],
 )
 def test_agent_config_errors_name_the_key(overrides, message) -> None:
@@ -135,3 +136,61 @@ def test_agent_config_errors_name_the_key(overrides, message) -> None:
     with pytest.raises(ConfigError, match=message) as e:
         load_config(None, [*base, *overrides])
     assert "\n" not in str(e.value)
+
+
+def _sandbox_or_skip():
+    from laminar_core.gateway.runners import command_sandbox
+
+    try:
+        return command_sandbox({})
+    except ValueError as e:
+        if os.environ.get("LAMINAR_REQUIRE_REAL") == "1":
+            pytest.fail(str(e))
+        pytest.skip(str(e))
+
+
+def test_agent_sandbox_without_bubblewrap_is_a_one_line_config_error(monkeypatch) -> None:
+    """``agent.sandbox`` where bwrap is missing: refused when the config is validated,
+    naming the problem and the fix (the plugin's own check, reached through core)."""
+    import shutil
+
+    real_which = shutil.which
+    monkeypatch.setattr(shutil, "which", lambda n, *a, **k: None if n == "bwrap" else real_which(n))
+    with pytest.raises(ConfigError, match="apt-get install bubblewrap") as e:
+        load_config(None, SANDBOXED)
+    assert "\n" not in str(e.value) and "agent.sandbox" in str(e.value)
+    with pytest.raises(ConfigError, match="sandbox_options: unknown key"):
+        load_config(None, [*SANDBOXED, "agent.sandbox_options={gpus: 1}"])
+    monkeypatch.undo()
+    assert load_config(None, SANDBOXED).cfg.agent.sandbox  # where bwrap is there: accepted
+
+
+SANDBOXED = ["agent.command=[x]", "agent.sandbox=true", "rollout.engine=vllm"]
+
+
+def test_a_hung_sandboxed_command_is_killed_with_all_it_started(tmp_path) -> None:
+    """Past the wall clock the sandboxed program is killed with everything it started,
+    a ``setsid`` daemon too (it escapes the process group, not the pid namespace)."""
+    marker = f"laminar-hung-{os.getpid()}-{time.time_ns()}"
+    code = (
+        "import subprocess, sys, time; "
+        f"subprocess.Popen(['setsid', sys.executable, '-c', 'import time; time.sleep(600)', "
+        f"'{marker}']); time.sleep(600)"
+    )
+    runner = CommandRunner(_py(code), sandbox=_sandbox_or_skip())
+    with pytest.raises(AgentFailed) as e:
+        _run(runner, timeout_s=3.0)
+    assert e.value.kind == "timeout"
+
+    def alive() -> list[str]:
+        found = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    if marker.encode() in f.read():
+                        found.append(pid)
+            except OSError:
+                continue
+        return found
+
+    assert alive() == []

@@ -16,8 +16,10 @@ engine-independent tests (bad requests, budgets, isolation, streaming on the wir
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
+import sys
 
 import pytest
 
@@ -292,3 +294,109 @@ def test_an_unmodified_agents_sdk_agent_runs_its_tool_loop(stack, hf) -> None:
     check_faithful(traj, calls)
     assert "<tool_response>\n5\n</tool_response>" in stack.tok.decode(traj.response_ids)
     assert recomputed_gap(hf, traj, T) < 1e-4
+
+
+def _command_sandbox(**options):
+    """``agent.sandbox``'s sandbox; skipped (failed under LAMINAR_REQUIRE_REAL=1) where
+    bubblewrap or root is missing."""
+    from laminar_core.gateway.runners import command_sandbox
+
+    try:
+        return command_sandbox(options)
+    except ValueError as e:
+        if os.environ.get("LAMINAR_REQUIRE_REAL") == "1":
+            pytest.fail(str(e))
+        pytest.skip(str(e))
+
+
+def test_a_sandboxed_command_agent_runs_an_episode_through_the_gateway(stack) -> None:
+    """examples/agents/cli_agent.py, unmodified, in laminar-sandbox: its call reaches the
+    gateway over HTTP from inside the sandbox's own network namespace (through the unix
+    socket relay), is captured in its session, and its reward line is read."""
+    from laminar_core.gateway.runners import CommandRunner
+
+    box = _command_sandbox(ro_paths=["examples/agents"], env={"OPENAI_MODEL": MODEL})
+    runner = CommandRunner([sys.executable, "examples/agents/cli_agent.py"], sandbox=box)
+    h = stack.open()
+    row = {"prompt": "What is 2 + 3?", "answer": ANSWER}
+    reward = asyncio.run(runner.run(h.base_url, h.api_key, row, 120.0))
+    assert reward is not None and 0.0 <= reward <= 1.0
+    (traj,) = stack.close(h.session_id)
+    assert len(stack.calls(traj)) == 1  # the agent's one call, captured token for token
+    check_faithful(traj, stack.calls(traj))
+    assert "What is 2 + 3?" in stack.tok.decode(traj.prompt_ids)
+
+
+HOSTILE = r"""
+import json, os, socket, sys, urllib.request
+escaped = []
+for path in sys.argv[1:3]:  # a file of the run, and ~/.ssh of the host
+    try:
+        open(path).read()
+        escaped.append("read " + path)
+    except OSError:
+        pass
+for path in sys.argv[3:5]:  # into the run directory, into the host's $HOME
+    try:
+        open(path, "w").write("pwned")
+        escaped.append("wrote " + path)
+    except OSError:
+        pass
+try:  # another service on the host's loopback
+    socket.create_connection(("127.0.0.1", int(sys.argv[5])), timeout=2).close()
+    escaped.append("connected to the host's port")
+except OSError:
+    pass
+body = {"model": sys.argv[6], "messages": [{"role": "user", "content": "What is 2 + 3?"}]}
+request = urllib.request.Request(
+    os.environ["OPENAI_BASE_URL"] + "/chat/completions", data=json.dumps(body).encode(),
+    headers={"Authorization": "Bearer " + os.environ["OPENAI_API_KEY"],
+             "Content-Type": "application/json"})
+json.load(urllib.request.urlopen(request, timeout=60))
+print(json.dumps(escaped))
+open(os.environ["LAMINAR_REWARD_FILE"], "w").write(str(len(escaped)))
+"""
+
+
+def test_a_hostile_command_agent_is_contained_and_the_run_goes_on(stack, tmp_path) -> None:
+    """The same hostile program, unsandboxed (the default, unchanged) and in the sandbox: it
+    reads a run's file and ~/.ssh, writes into the run directory and $HOME, connects to a
+    host port, then calls the gateway and reports how many of those worked as its reward.
+    On the host all four it can reach work; in the sandbox none does, nothing appears on the
+    host, and its gateway call and reward file still work."""
+    import socket
+
+    from laminar_core.gateway.runners import CommandRunner
+
+    box = _command_sandbox()
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "checkpoint.pt").write_text("weights")
+    listener = socket.create_server(("127.0.0.1", 0))
+    home_file = os.path.expanduser(f"~/laminar-hostile-{os.getpid()}")
+    args = [
+        *(str(run_dir / "checkpoint.pt"), os.path.expanduser("~/.ssh/id_rsa")),
+        *(str(run_dir / "planted"), home_file),
+        *(str(listener.getsockname()[1]), MODEL),
+    ]
+    command = [sys.executable, "-c", HOSTILE, *args]
+    try:
+        h = stack.open()
+        unsandboxed = asyncio.run(CommandRunner(command).run(h.base_url, h.api_key, {}, 60))
+        stack.close(h.session_id)
+        # the default runs on the host: the run's file read, both writes, the connection
+        assert unsandboxed is not None and unsandboxed >= 4
+        os.unlink(run_dir / "planted")
+        os.unlink(home_file)
+
+        h = stack.open()
+        runner = CommandRunner(command, sandbox=box)
+        assert asyncio.run(runner.run(h.base_url, h.api_key, {}, 60)) == 0.0
+        (traj,) = stack.close(h.session_id)
+        assert len(stack.calls(traj)) == 1  # the gateway call went through
+        assert sorted(p.name for p in run_dir.iterdir()) == ["checkpoint.pt"]
+        assert not os.path.exists(home_file)
+    finally:
+        listener.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(home_file)

@@ -16,6 +16,8 @@ import json
 import os
 import urllib.request
 
+MODEL = os.environ.get("OPENAI_MODEL", "policy")  # the run's agent.model
+
 
 def score(answer: str, target: str) -> float:
     """Correct characters over the longer of answer and target (the repeat task's)."""
@@ -26,7 +28,7 @@ def score(answer: str, target: str) -> float:
 def chat(messages: list[dict]) -> str:
     request = urllib.request.Request(
         os.environ["OPENAI_BASE_URL"].rstrip("/") + "/chat/completions",
-        data=json.dumps({"model": "policy", "messages": messages}).encode(),
+        data=json.dumps({"model": MODEL, "messages": messages}).encode(),
         headers={
             "Authorization": f"Bearer {os.environ['OPENAI_API_KEY']}",
             "Content-Type": "application/json",

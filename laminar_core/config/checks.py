@@ -65,6 +65,11 @@ def _agent(cfg: LaminarConfig) -> None:
         )
     if a.command and not all(isinstance(x, str) and x for x in a.command):
         raise ConfigError("agent.command must be a list of non-empty strings, e.g. [python, a.py]")
+    if a.sandbox and not a.command:
+        raise ConfigError(
+            "agent.sandbox runs agent.command programs only (an entrypoint runs in the "
+            "driver's event loop); set agent.command, or agent.sandbox=false"
+        )
     for key, value, low in [
         ("agent.max_sessions", a.max_sessions, 1),
         ("agent.max_attempts", a.max_attempts, 1),

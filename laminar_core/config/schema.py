@@ -402,6 +402,13 @@ class AgentConfig:
     # command: its reward is what it writes to $LAMINAR_REWARD_FILE, else the number after
     # the last stdout line starting with this prefix, else reward.fn's score of the session
     reward_prefix: str = "LAMINAR_REWARD="
+    # command: run each episode's program inside laminar-sandbox (bubblewrap; root): its own
+    # writable $HOME (the reward file's), the host's files hidden, the gateway its only
+    # network, a uid and rlimits of its own (docs/agents.md)
+    sandbox: bool = False
+    # the sandbox's limits and view: memory_mb, cpu_s, processes, file_size_mb, disk_mb,
+    # open_files, ro_paths (host paths it may read: the agent's code), env
+    sandbox_options: dict[str, Any] = field(default_factory=dict)
     model: str = "policy"  # the model name agents pass (GET /v1/models lists it)
     max_sessions: int = 64  # sessions (episodes) running at once; >= data.samples_per_prompt
     timeout_s: float = 300.0  # an episode's wall clock: past it the agent is stopped

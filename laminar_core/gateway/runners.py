@@ -17,7 +17,10 @@ session and decides whether the episode runs again.
   when the run stops) the whole process group is killed (SIGTERM, then SIGKILL after a
   grace period), and it is killed once the program exits too, so nothing it started in its
   group outlives the episode. (A child that puts itself in a new session escapes any
-  process group; running commands inside ``laminar-sandbox`` is not built yet.)
+  process group on the host.) With ``agent.sandbox`` the program runs inside
+  ``laminar-sandbox`` instead (``laminar_sandbox.command``): its own scratch directory (the
+  reward file's), the host's files hidden or read-only, a network that reaches the gateway
+  only, a uid and rlimits of its own, and a pid namespace that dies with its group.
 """
 
 from __future__ import annotations
@@ -34,13 +37,32 @@ import sys
 import tempfile
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from laminar_core.plugins.manager import import_spec
 
-__all__ = ["AgentFailed", "AgentRunner", "CommandRunner", "EntrypointRunner", "make_runner"]
+__all__ = [
+    "AgentFailed",
+    "AgentRunner",
+    "CommandRunner",
+    "CommandSandbox",
+    "EntrypointRunner",
+    "command_sandbox",
+    "make_runner",
+]
 
 AgentFn = Callable[[str, str, dict[str, Any]], Awaitable[float | None]]
+
+
+class CommandSandbox(Protocol):
+    """What ``CommandRunner`` needs of a sandbox (``laminar_sandbox.command.CommandSandbox``):
+    per episode, an async context manager yielding ``.argv`` and ``.env`` to start in a
+    process group of its own and ``.reward_file`` (a host path) to read after it exits;
+    leaving it removes whatever the episode left."""
+
+    def episode(
+        self, command: Sequence[str], base_url: str, env: dict[str, str]
+    ) -> contextlib.AbstractAsyncContextManager[Any]: ...
 
 
 class AgentFailed(Exception):
@@ -122,6 +144,7 @@ class CommandRunner(AgentRunner):
         reward_prefix: str = "LAMINAR_REWARD=",
         cwd: str | None = None,
         grace_s: float = 2.0,
+        sandbox: CommandSandbox | None = None,
     ) -> None:
         if not command:
             raise ValueError("agent.command is empty")
@@ -129,52 +152,60 @@ class CommandRunner(AgentRunner):
         self.reward_prefix = reward_prefix
         self.cwd = cwd
         self.grace_s = grace_s
+        self.sandbox = sandbox
 
     async def run(
         self, base_url: str, api_key: str, row: dict[str, Any], timeout_s: float
     ) -> float | None:
         with tempfile.TemporaryDirectory(prefix="laminar-agent-") as tmp:
-            reward_file = Path(tmp) / "reward"
             env = {
                 **os.environ,
                 "OPENAI_BASE_URL": base_url,
                 "OPENAI_API_KEY": api_key,
                 "LAMINAR_ROW": json.dumps(row, default=str),
-                "LAMINAR_REWARD_FILE": str(reward_file),
+                "LAMINAR_REWARD_FILE": str(Path(tmp) / "reward"),
             }
-            try:
-                proc = await asyncio.create_subprocess_exec(
-                    *self.command,
-                    stdin=asyncio.subprocess.DEVNULL,
-                    stdout=asyncio.subprocess.PIPE,
-                    stderr=asyncio.subprocess.PIPE,
-                    env=env,
-                    cwd=self.cwd,
-                    start_new_session=True,  # its own process group: killed as one
-                )
-            except OSError as e:
-                raise AgentFailed("crashed", f"agent.command could not start: {e}") from None
-            try:
-                out, err = await asyncio.wait_for(proc.communicate(), timeout_s)
-            except asyncio.TimeoutError:
-                raise AgentFailed(
-                    "timeout", f"{self.command[0]} ran past {timeout_s:g} s and was killed"
-                ) from None
-            finally:
-                await self._kill_group(proc)
-            if proc.returncode != 0:
-                last = err.decode(errors="replace").strip().splitlines()[-1:] or [""]
-                raise AgentFailed(
-                    "crashed", f"{self.command[0]} exited with {proc.returncode}: {last[0]}"
-                )
-            if reward_file.exists() and reward_file.read_text().strip():
-                return _reward(reward_file.read_text().strip(), "$LAMINAR_REWARD_FILE")
-            lines = [
-                line[len(self.reward_prefix) :].strip()
-                for line in out.decode(errors="replace").splitlines()
-                if self.reward_prefix and line.startswith(self.reward_prefix)
-            ]
-            return _reward(lines[-1], f"the stdout line {self.reward_prefix}") if lines else None
+            if self.sandbox is None:
+                return await self._run(self.command, env, Path(tmp) / "reward", timeout_s)
+            async with self.sandbox.episode(self.command, base_url, env) as box:
+                return await self._run(box.argv, box.env, Path(box.reward_file), timeout_s)
+
+    async def _run(
+        self, argv: Sequence[str], env: dict[str, str], reward_file: Path, timeout_s: float
+    ) -> float | None:
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *argv,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                env=env,
+                cwd=self.cwd,
+                start_new_session=True,  # its own process group: killed as one
+            )
+        except OSError as e:
+            raise AgentFailed("crashed", f"agent.command could not start: {e}") from None
+        try:
+            out, err = await asyncio.wait_for(proc.communicate(), timeout_s)
+        except asyncio.TimeoutError:
+            raise AgentFailed(
+                "timeout", f"{self.command[0]} ran past {timeout_s:g} s and was killed"
+            ) from None
+        finally:
+            await self._kill_group(proc)
+        if proc.returncode != 0:
+            last = err.decode(errors="replace").strip().splitlines()[-1:] or [""]
+            raise AgentFailed(
+                "crashed", f"{self.command[0]} exited with {proc.returncode}: {last[0]}"
+            )
+        if reward_file.exists() and reward_file.read_text().strip():
+            return _reward(reward_file.read_text().strip(), "$LAMINAR_REWARD_FILE")
+        lines = [
+            line[len(self.reward_prefix) :].strip()
+            for line in out.decode(errors="replace").splitlines()
+            if self.reward_prefix and line.startswith(self.reward_prefix)
+        ]
+        return _reward(lines[-1], f"the stdout line {self.reward_prefix}") if lines else None
 
     async def _kill_group(self, proc: asyncio.subprocess.Process) -> None:
         """SIGTERM the program's group, SIGKILL what is left after ``grace_s``; reap it."""
@@ -191,12 +222,42 @@ class CommandRunner(AgentRunner):
                 await proc.wait()
 
 
+SANDBOX_SPEC = "laminar_sandbox.command:CommandSandbox"
+
+
+def command_sandbox(options: dict[str, Any] | None = None) -> CommandSandbox:
+    """``agent.sandbox``'s sandbox (the ``laminar-sandbox`` plugin's), checked now:
+    ``ValueError`` in one line naming what is missing and the fix."""
+    try:
+        cls = import_spec(SANDBOX_SPEC)
+    except ImportError:
+        raise ValueError(
+            "agent.sandbox needs the laminar-sandbox plugin, which is not installed; fix: "
+            "pip install -e plugins/sandbox, or set agent.sandbox=false"
+        ) from None
+    try:
+        return cls(dict(options or {}))
+    except Exception as e:
+        raise ValueError(str(e)) from None
+
+
 def make_runner(
-    entrypoint: str = "", command: Sequence[str] = (), reward_prefix: str = "LAMINAR_REWARD="
+    entrypoint: str = "",
+    command: Sequence[str] = (),
+    reward_prefix: str = "LAMINAR_REWARD=",
+    sandbox: bool = False,
+    sandbox_options: dict[str, Any] | None = None,
 ) -> AgentRunner:
-    """The runner for ``agent.entrypoint`` or ``agent.command``."""
+    """The runner for ``agent.entrypoint`` or ``agent.command`` (in the sandbox when
+    ``sandbox``; ``ValueError`` when it is set for an entrypoint or cannot run here)."""
+    if sandbox and not command:
+        raise ValueError(
+            "agent.sandbox runs agent.command programs only; an entrypoint runs in the "
+            "driver's event loop: set agent.command, or agent.sandbox=false"
+        )
     if entrypoint:
         return EntrypointRunner.of(entrypoint)
     if command:
-        return CommandRunner(command, reward_prefix)
+        box = command_sandbox(sandbox_options) if sandbox else None
+        return CommandRunner(command, reward_prefix, sandbox=box)
     raise ValueError("set agent.entrypoint or agent.command")

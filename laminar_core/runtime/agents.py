@@ -38,7 +38,9 @@ def attach_agents(manager: RolloutManager, cfg: LaminarConfig, tokenizer: Any = 
     server starts with the manager. Raises ``ValueError`` naming the key when the agent
     cannot be loaded."""
     a, r = cfg.agent, cfg.rollout
-    runner = make_runner(a.entrypoint, a.command, a.reward_prefix)
+    runner = make_runner(
+        a.entrypoint, a.command, a.reward_prefix, a.sandbox, dict(a.sandbox_options)
+    )
     budget = SessionBudget(
         max_calls=a.max_calls,
         max_total_tokens=a.max_total_tokens,

@@ -157,6 +157,13 @@ def validate(cfg: LaminarConfig, pm: PluginManager) -> None:
             import_reward(r.fn)
         except ValueError as e:
             raise ConfigError(f"reward.fn: {e}") from None
+    if cfg.agent.sandbox and cfg.agent.command:
+        from laminar_core.gateway.runners import command_sandbox
+
+        try:  # the plugin, bubblewrap and root, checked before anything starts
+            command_sandbox(dict(cfg.agent.sandbox_options))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     try:
         validate_algorithm(cfg.algorithm)
         sampling = dynamic_sampling(cfg.algorithm)

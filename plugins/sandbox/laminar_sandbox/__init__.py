@@ -3,9 +3,11 @@
 * :class:`PythonSandboxEnv` -- the environment (plugin kind ``env``, name ``python_sandbox``).
 * :class:`SandboxPool` -- local sandboxes: a warm pool of isolated processes (bwrap or Linux
   namespaces, rlimits, a per-sandbox uid).
+* :class:`CommandSandbox` -- an agent program per episode (``agent.sandbox``).
 * :class:`SandboxFusionClient` -- a remote SandboxFusion service (``POST /run_code``).
 """
 
+from laminar_sandbox.command import CommandLimits, CommandSandbox
 from laminar_sandbox.env import PythonSandboxEnv, SandboxOptions
 from laminar_sandbox.isolation import IsolationUnavailable
 from laminar_sandbox.pool import Limits, SandboxPool
@@ -14,6 +16,8 @@ from laminar_sandbox.result import CodeExecutor, RunResult
 
 __all__ = [
     "CodeExecutor",
+    "CommandLimits",
+    "CommandSandbox",
     "IsolationUnavailable",
     "Limits",
     "PythonSandboxEnv",
