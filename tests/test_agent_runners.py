@@ -194,3 +194,17 @@ def test_a_hung_sandboxed_command_is_killed_with_all_it_started(tmp_path) -> Non
         return found
 
     assert alive() == []
+
+
+def test_a_sandboxed_command_is_found_as_the_driver_finds_it(tmp_path) -> None:
+    """``command: [python, ...]`` runs the driver's ``python`` inside the sandbox; a program
+    the sandbox cannot see is a crash naming the fix."""
+    box = _sandbox_or_skip()
+    code = "import sys; print('LAMINAR_REWARD=' + str(sys.version_info.minor))"
+    assert _run(CommandRunner(["python", "-c", code], sandbox=box)) == sys.version_info.minor
+    hidden = tmp_path / "agent.sh"
+    hidden.write_text("#!/bin/sh\necho LAMINAR_REWARD=1\n")
+    hidden.chmod(0o755)
+    with pytest.raises(AgentFailed, match=r"put it and its files under .*ro_paths") as e:
+        _run(CommandRunner([str(hidden)], sandbox=box))
+    assert e.value.kind == "crashed"

@@ -22,7 +22,8 @@ on the host. Each episode gets:
   host's network namespace: that would give the program the host's loopback (every service
   on it: Ray, the relay, other sessions' forwarders) and the internet; the socket gives it
   one port, the gateway's, where its key admits it to its own session only.
-* **Limits.** It runs as a uid of its own (leased from the code sandbox's range), with
+* **Limits.** It runs as a uid of its own (leased from the code sandbox's range, reused by a
+  later episode once no process of it is left), with
   ``RLIMIT_AS`` (``memory_mb``), ``RLIMIT_CPU`` (``cpu_s``), ``RLIMIT_NPROC``
   (``processes``), ``RLIMIT_FSIZE`` (``file_size_mb``), ``RLIMIT_NOFILE`` (``open_files``)
   and no core dumps; the wall clock is ``agent.timeout_s`` (core kills the process group).
@@ -47,6 +48,7 @@ import shutil
 import stat
 import sys
 import tempfile
+import weakref
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -107,7 +109,11 @@ if os.fork() == 0:
         conn, _ = listener.accept()
         threading.Thread(target=serve, args=(conn,), daemon=True).start()
 listener.close()
-os.execvp(argv[0], argv)
+try:
+    os.execvp(argv[0], argv)
+except OSError as e:
+    sys.exit(f"agent.command: cannot run {argv[0]} inside the sandbox ({e.strerror}); fix: "
+             "put it and its files under agent.sandbox_options.ro_paths")
 """
 
 
@@ -179,12 +185,51 @@ class CommandSandbox:
         self.layout = iso.filesystem_view(
             list(dict.fromkeys(python_dirs)), self.ro_paths, self.limits.disk_mb << 20
         )
+        # uids leased for this process's lifetime and reused by later episodes once none of
+        # their processes is left: a lease scans /proc per candidate uid, too slow per episode
+        self._leases: list[iso.UidLease] = []
+        self._free: list[int] = []
+        self._root = ""  # the episodes' directories: made at the first, removed at exit
+
+    def _episode_dir(self) -> str:
+        """A new directory for one episode, under a root removed when this object is
+        collected or the process exits, so a run stopped mid-episode (its cleanup never
+        reached) leaves nothing in ``/tmp`` either."""
+        if not self._root:
+            self._root = tempfile.mkdtemp(prefix="laminar-agent-sandbox-")
+            os.chmod(self._root, 0o711)
+            weakref.finalize(self, shutil.rmtree, self._root, True)
+        return tempfile.mkdtemp(dir=self._root)
+
+    async def _take_uid(self) -> int:
+        if self._free:
+            return self._free.pop()
+        lease = await asyncio.to_thread(iso.UidLease, 1)
+        self._leases.append(lease)
+        return lease.uids[0]
+
+    async def _give_back(self, uid: int) -> None:
+        """Kill what is left of ``uid`` (off the event loop: it reads ``/proc``); the uid is
+        reused only once nothing of it is left."""
+
+        def sweep() -> bool:
+            for pid in iso.processes_of(uid):
+                iso.kill_tree(pid)
+            return not iso.processes_of(uid)
+
+        if await asyncio.to_thread(sweep):
+            self._free.append(uid)
 
     def _argv(self, command: Sequence[str]) -> list[str]:
-        """``command`` with relative paths to files under ``ro_paths`` made absolute (the
-        program's working directory inside is its scratch directory)."""
-        out = []
-        for arg in command:
+        """``command`` as the driver would run it: its program found on the driver's
+        ``PATH`` (``python`` is the driver's interpreter, visible inside), and relative paths
+        to files under ``ro_paths`` made absolute (the working directory inside is the
+        episode's scratch directory)."""
+        program = command[0]
+        if "/" not in program:
+            program = shutil.which(program) or program
+        out = [program]
+        for arg in command[1:]:
             path = os.path.abspath(arg)
             if (
                 not os.path.isabs(arg)
@@ -204,9 +249,8 @@ class CommandSandbox:
         process left of the episode's uid is killed and its directories are removed."""
         url = urlsplit(base_url)
         host, port = url.hostname or "127.0.0.1", url.port or 80
-        lease = iso.UidLease(1)
-        uid = lease.uids[0]
-        top = tempfile.mkdtemp(prefix="laminar-agent-sandbox-")
+        uid = await self._take_uid()
+        top = self._episode_dir()
         server: asyncio.AbstractServer | None = None
         try:
             scratch = Path(top) / "home"
@@ -221,7 +265,7 @@ class CommandSandbox:
             os.chmod(top, 0o711)  # the uid may pass through to the socket, not list it
             inner_url = urlunsplit((url.scheme, f"127.0.0.1:{port}", url.path, "", ""))
             inner_env = {
-                "PATH": "/usr/local/bin:/usr/bin:/bin",
+                "PATH": f"{os.path.dirname(sys.executable)}:/usr/local/bin:/usr/bin:/bin",
                 "LANG": "C.UTF-8",
                 **self.limits.env,
                 **{k: v for k, v in env.items() if k.startswith(("OPENAI_", "LAMINAR_"))},
@@ -257,10 +301,10 @@ class CommandSandbox:
         finally:
             if server is not None:
                 server.close()
-            for pid in iso.processes_of(uid):
-                iso.kill_tree(pid)
-            lease.release()
-            shutil.rmtree(top, ignore_errors=True)
+            try:
+                await self._give_back(uid)
+            finally:
+                shutil.rmtree(top, ignore_errors=True)
 
 
 async def _relay(
