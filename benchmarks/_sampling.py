@@ -5,18 +5,19 @@ from __future__ import annotations
 import torch
 
 
-def sample(model, tok, prompts: list[list[int]], temperature: float, max_tokens: int):
+def sample(model, tok, prompts: list[list[int]], temperature: float, max_tokens: int, greedy=False):
     """``(ids, attn, resp, mask)``: the left-padded prompts, their attention mask, the sampled
-    responses ``[N, T]`` and their mask (up to and including the first EOS, what a rollout
-    engine returns)."""
+    (``greedy``: argmax-decoded) responses ``[N, T]`` and their mask (up to and including the
+    first EOS, what a rollout engine returns)."""
     plen = max(map(len, prompts))
     ids = torch.tensor([[tok.pad_token_id] * (plen - len(p)) + p for p in prompts])
     attn = (torch.arange(plen) >= torch.tensor([plen - len(p) for p in prompts])[:, None]).long()
     model.eval()
     with torch.no_grad():
         out = model.generate(
-            input_ids=ids, attention_mask=attn, do_sample=True, temperature=temperature,
-            top_k=0, top_p=1.0, max_new_tokens=max_tokens,
+            input_ids=ids, attention_mask=attn, max_new_tokens=max_tokens,
+            **({"do_sample": False} if greedy else
+               {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}),
             eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
         )  # fmt: skip
     resp = out[:, plen:]

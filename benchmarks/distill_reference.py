@@ -35,18 +35,7 @@ from laminar_core.tasks.repeat import RepeatTask, repeat_reward
 
 def greedy_eval(model, tok, rows: list[dict], max_tokens: int) -> float:
     prompts = [list(tok.encode(r["prompt"], add_special_tokens=False)) for r in rows]
-    plen = max(map(len, prompts))
-    ids = torch.tensor([[tok.pad_token_id] * (plen - len(p)) + p for p in prompts])
-    attn = (torch.arange(plen) >= torch.tensor([plen - len(p) for p in prompts])[:, None]).long()
-    model.eval()
-    with torch.no_grad():
-        out = model.generate(
-            input_ids=ids, attention_mask=attn, do_sample=False, max_new_tokens=max_tokens,
-            eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-        )  # fmt: skip
-    resp = out[:, plen:]
-    is_eos = resp == tok.eos_token_id
-    mask = ~((is_eos.cumsum(1) - is_eos.long()) > 0)
+    _, _, resp, mask = _sampling.sample(model, tok, prompts, 1.0, max_tokens, greedy=True)
     got = _sampling.texts(tok, resp, mask)
     return sum(repeat_reward(t, r) for t, r in zip(got, rows, strict=True)) / len(rows)
 
@@ -85,8 +74,8 @@ def run(objective: str, a: argparse.Namespace, log) -> list[tuple[int, float]]:
         prompts = [list(tok.encode(r["prompt"], add_special_tokens=False)) for r in rows]
         # sft learns from the teacher's outputs; the others from the student's own samples
         sampler = teacher if objective == "sft" else student
-        temperature = 1e-4 if objective == "sft" else 1.0
-        ids, attn, resp, mask = _sampling.sample(sampler, tok, prompts, temperature, a.max_tokens)
+        greedy = objective == "sft"
+        ids, attn, resp, mask = _sampling.sample(sampler, tok, prompts, 1.0, a.max_tokens, greedy)
         m = mask.float()
         with torch.no_grad():
             t_lsm = response_logits(teacher, ids, attn, resp, mask)
