@@ -31,8 +31,28 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from laminar_sglang import channel, loader
-from laminar_sglang.cpu_support import pinning
+
+def _die_with_the_host() -> None:
+    """In SGLang's children (they re-import this module as ``__mp_main__``, before anything
+    of SGLang): SIGKILL when the host dies, however it dies. SGLang sets the same only once
+    a child's own imports are done (seconds on CPU); a host killed meanwhile (a run ending
+    while a replica restarts: Ray kills the actor's host) left a scheduler and a detokenizer
+    orphaned, with their load snapshot in /dev/shm."""
+    import ctypes
+    import signal
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() == 1:  # the host died before the line above
+        os._exit(1)
+
+
+if __name__ == "__mp_main__" and sys.platform == "linux":
+    _die_with_the_host()
+
+# after the hook above, so a child spends as little as it can without it
+from laminar_sglang import channel, loader  # noqa: E402
+from laminar_sglang.cpu_support import pinning  # noqa: E402
 
 if os.environ.get("SGLANG_USE_CPU_ENGINE") == "1":
     # SGLang's LoRA layers ask for pinned host memory, which a CPU-only torch cannot give
