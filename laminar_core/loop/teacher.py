@@ -15,14 +15,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
 
 from laminar_core.interfaces import ReplicaFailure, RolloutEngine
 from laminar_core.types import Trajectory
 
 log = logging.getLogger(__name__)
 
-__all__ = ["TeacherPool", "TeacherStats", "teacher_metrics"]
+__all__ = ["TeacherPool", "teacher_metrics"]
 
 #: ``Trajectory.metadata`` key: the seconds its teacher score took (finished -> scored)
 SCORE_SECONDS = "teacher_score_s"
@@ -42,18 +41,6 @@ def teacher_metrics(trajs: list[Trajectory]) -> dict[str, float]:
     }
 
 
-@dataclass
-class TeacherStats:
-    """What scoring cost so far: trajectories and response tokens scored, the seconds each
-    score took (summed: teacher busy time as the driver sees it), and failures."""
-
-    scored: int = 0
-    tokens: int = 0
-    seconds: float = 0.0
-    failed: int = 0
-    latencies: list[float] = field(default_factory=list)
-
-
 class TeacherPool:
     """Teacher replicas (``RolloutEngine`` with ``scores_tokens``), started and stopped with
     the rollout replicas (``RolloutManager.start`` / ``stop``)."""
@@ -64,7 +51,6 @@ class TeacherPool:
         self.engines = list(engines)
         self.load = [0] * len(self.engines)
         self.alive = [True] * len(self.engines)
-        self.stats = TeacherStats()
 
     async def start(self) -> None:
         await asyncio.gather(*(e.start() for e in self.engines))
@@ -93,7 +79,6 @@ class TeacherPool:
         while True:
             i = self._pick()
             if i is None:
-                self.stats.failed += 1
                 raise RuntimeError("every teacher replica failed (algorithm.teacher)")
             self.load[i] += 1
             try:
@@ -107,16 +92,9 @@ class TeacherPool:
                 self.load[i] -= 1
             break
         if len(got) != len(traj.response_ids):
-            self.stats.failed += 1
             raise RuntimeError(
                 f"teacher {self.engines[i].replica_id} returned {len(got)} log-probs for "
                 f"{len(traj.response_ids)} response tokens"
             )
         traj.teacher_logprobs = [float(x) for x in got]
-        dt = time.perf_counter() - t0
-        traj.metadata[SCORE_SECONDS] = dt
-        s = self.stats
-        s.scored += 1
-        s.tokens += len(got)
-        s.seconds += dt
-        s.latencies.append(dt)
+        traj.metadata[SCORE_SECONDS] = time.perf_counter() - t0

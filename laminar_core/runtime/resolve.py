@@ -265,12 +265,10 @@ def resolve_teacher(
     except UnknownPluginError as e:
         raise ConfigError(f"algorithm.teacher.engine: {e}") from None
     if not getattr(factory, "scores_tokens", False):
-        capable = sorted(
-            n for n in pm.names("rollout") if getattr(pm.get("rollout", n), "scores_tokens", 0)
-        )
         raise ConfigError(
             f"algorithm.teacher.engine: rollout engine '{engine}' cannot score tokens "
-            f"(RolloutEngine.score): use one that can ({', '.join(capable) or 'none installed'})"
+            f"(RolloutEngine.score): use one that can "
+            f"({_capable(pm, 'rollout', 'scores_tokens')})"
         )
     check_same_vocabulary(cfg.model.path, t.model)
     own = copy.deepcopy(raw)
