@@ -178,7 +178,7 @@ def test_a_teacher_config_resolves_with_its_own_model_and_engine(models):
         (
             ["algorithm.distill_coef=1", "algorithm.teacher.model=TEACHER",
              "algorithm.teacher.engine=sim"],
-            r"rollout engine 'sim' cannot score tokens .*use one that can \(sglang, vllm\)",
+            r"'sim' only models scoring time .*simulated student.*can score \(sglang, vllm\)",
         ),
         (
             ["algorithm.distill_coef=1", "algorithm.teacher.model=TEACHER",
@@ -206,3 +206,26 @@ def test_bad_distillation_settings_are_one_line_errors(models, extra, message):
     with pytest.raises(ConfigError, match=message) as err:
         load_config(None, [*REAL, f"model.path={student}", *extra])
     assert "\n" not in str(err.value)
+
+
+def test_a_teacher_engine_that_cannot_score_is_refused_naming_those_that_can():
+    from laminar_core.plugins import PluginManager, builtins, hookimpl
+    from laminar_core.sim.rollout import SimRolloutEngine
+
+    class NoScore(SimRolloutEngine):
+        scores_tokens = False
+
+    class Plugin:
+        @hookimpl
+        def laminar_rollout_engines(self) -> dict[str, object]:
+            return {"noscore": NoScore}
+
+    pm = PluginManager()
+    pm.register(builtins, name="core")
+    pm.register(Plugin(), name="under-test")
+    teacher = ["algorithm.distill_coef=1", "algorithm.teacher.model=t"]
+    refused = r"'noscore' cannot score tokens .*can \(none installed\)"
+    with pytest.raises(ConfigError, match=refused):
+        load_config(None, [*teacher, "algorithm.teacher.engine=noscore"], pm=pm)
+    # the simulator's teacher (scoring time only) serves a simulated student
+    assert load_config(None, [*teacher, "algorithm.teacher.engine=sim"], pm=pm).teacher

@@ -78,6 +78,9 @@ class RolloutEngine(abc.ABC):
     #: True when the engine implements ``score`` (``algorithm.teacher`` needs it; the
     #: config is refused otherwise).
     scores_tokens: bool = False
+    #: False: the engine reads nothing of ``model.path`` (the simulator), so no tokenizer
+    #: check applies to it (a teacher's vocabulary against the student's)
+    loads_model: bool = True
 
     @abc.abstractmethod
     async def start(self) -> None:

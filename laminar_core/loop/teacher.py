@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 
 from laminar_core.interfaces import ReplicaFailure, RolloutEngine
 from laminar_core.types import Trajectory
@@ -75,7 +74,8 @@ class TeacherPool:
         if not traj.response_ids:
             traj.teacher_logprobs = []
             return
-        t0 = time.perf_counter()
+        clock = asyncio.get_running_loop()  # the loop's clock: virtual in the simulator
+        t0 = clock.time()
         while True:
             i = self._pick()
             if i is None:
@@ -97,4 +97,4 @@ class TeacherPool:
                 f"{len(traj.response_ids)} response tokens"
             )
         traj.teacher_logprobs = [float(x) for x in got]
-        traj.metadata[SCORE_SECONDS] = time.perf_counter() - t0
+        traj.metadata[SCORE_SECONDS] = clock.time() - t0

@@ -270,7 +270,14 @@ def resolve_teacher(
             f"(RolloutEngine.score): use one that can "
             f"({_capable(pm, 'rollout', 'scores_tokens')})"
         )
-    check_same_vocabulary(cfg.model.path, t.model)
+    if getattr(factory, "loads_model", True):
+        check_same_vocabulary(cfg.model.path, t.model)
+    elif getattr(pm.get("rollout", cfg.rollout.engine), "loads_model", True):
+        raise ConfigError(
+            f"algorithm.teacher.engine: '{engine}' only models scoring time (its log-probs are "
+            f"0), for a simulated student (rollout.engine={engine}): serve the teacher with "
+            f"one that can score ({_capable(pm, 'rollout', 'scores_tokens')})"
+        )
     own = copy.deepcopy(raw)
     apply_overrides(
         own,
@@ -343,11 +350,13 @@ def check_lora_engines(cfg: LaminarConfig, pm: PluginManager) -> None:
 
 
 def _capable(pm: PluginManager, kind: str, flag: str) -> str:
-    """The installed ``kind`` engines whose class sets ``flag``, for a refusal's fix."""
+    """The installed ``kind`` engines whose class sets ``flag``, for a refusal's fix (the
+    simulator's, which load no model, are not named: they fix no real run)."""
     names = []
     for name in pm.names(kind):
         with contextlib.suppress(Exception):  # a plugin that fails to load is not one
-            if getattr(pm.get(kind, name), flag, False):
+            factory = pm.get(kind, name)
+            if getattr(factory, flag, False) and getattr(factory, "loads_model", True):
                 names.append(name)
     return ", ".join(names) or "none installed"
 

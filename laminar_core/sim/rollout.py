@@ -42,6 +42,15 @@ re-prefills prompt + everything so far) or kept resident, counted against the KV
 evicted oldest first under KV pressure and dropped when the replica loads new weights). A
 tool turn's resume is not a move: it is counted apart (``tool_resumes``,
 ``tool_prefill_tokens``) and the trajectory's latency runs from its first turn to its last.
+
+**Scoring** (a teacher of on-policy distillation, ``algorithm.teacher.engine: sim``): a
+``score`` is a prefill of the prompt and the response with nothing generated. A teacher
+replica scores one request after another, at the prefill rate of a full step
+(``max_num_batched_tokens`` tokens per ``max(decode_step_s, max_num_batched_tokens *
+prefill_s_per_token)``) and never faster than one step per request; its log-probs are 0.0.
+Its scoring work is kept apart from generation (a teacher replica only scores). In a run with a
+teacher the student's trajectories carry token ids (zeros where the simulated prompt has none,
+one per token) so that they can be scored; without one a simulated response carries none.
 """
 
 from __future__ import annotations
@@ -201,6 +210,8 @@ class SimRolloutEngine(RolloutEngine):
     """A simulated replica (see module docstring). ``index`` selects configured failures."""
 
     Options = SimRolloutConfig
+    scores_tokens = True  # a modelled prefill (``score``), for teachers on the virtual clock
+    loads_model = False  # nothing is read from model.path
 
     @classmethod
     def from_config(cls, ctx: BuildContext) -> SimRolloutEngine:
@@ -220,7 +231,9 @@ class SimRolloutEngine(RolloutEngine):
             )
         ledger = ctx.shared.setdefault("sim_ledger", SimLedger())
         tools = turn_plan(cfg)
-        return cls(ctx.name, opts, lengths, index=ctx.index, ledger=ledger, tools=tools)
+        engine = cls(ctx.name, opts, lengths, index=ctx.index, ledger=ledger, tools=tools)
+        engine.token_ids = bool(cfg.algorithm.teacher.model)  # its trajectories get scored
+        return engine
 
     def __init__(
         self,
@@ -262,6 +275,8 @@ class SimRolloutEngine(RolloutEngine):
         self._timer: asyncio.TimerHandle | None = None
         self._dead = False
         self._started = False
+        self.token_ids = False  # trajectories carry response_ids (zeros): a teacher scores them
+        self._score_free_at = 0.0  # when this replica's scoring queue is next free
         # -- what the engine measures of itself (``sim.study`` reads these) --
         self.occupancy_seconds = 0.0  # batch occupancy, capped at the roofline batch
         self.kv_seconds = 0.0  # integral of KV use (0..1) over time
@@ -281,6 +296,8 @@ class SimRolloutEngine(RolloutEngine):
         self.tool_kv_hits = 0  # turns that found their KV kept here
         self.tool_kv_evictions = 0  # kept KV evicted for room
         self.tool_kv_drops = 0  # kept KV dropped: new weights, or the turn went elsewhere
+        self.scored_tokens = 0  # prompt + response tokens prefilled by ``score``
+        self.score_seconds = 0.0  # time this replica spent scoring
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
@@ -661,9 +678,12 @@ class SimRolloutEngine(RolloutEngine):
             traj_id=r.traj_id,
             group_id=r.group_id,
             version=req.versions[0],
-            prompt_ids=r.prompt_ids,
+            prompt_ids=(r.prompt_ids or [0] * r.num_prompt_tokens)
+            if self.token_ids
+            else r.prompt_ids,
             num_prompt_tokens=r.num_prompt_tokens,
             num_response_tokens=produced,
+            response_ids=[0] * produced if self.token_ids else [],
             finish_reason=reason,
             versions=req.versions,
             replicas=[self.replica_id],
@@ -827,6 +847,23 @@ class SimRolloutEngine(RolloutEngine):
             await asyncio.sleep(self.cfg.weight_load_s)
         self._check_alive()
         self.version = weights.version
+
+    async def score(self, prompt_ids: list[int], response_ids: list[int]) -> list[float]:
+        """A teacher's score on the virtual clock (module docstring): waits its turn in this
+        replica's scoring queue, then the prefill of ``prompt_ids + response_ids``."""
+        self._check_alive()
+        cfg = self.cfg
+        tokens = len(prompt_ids) + len(response_ids)
+        step = max(cfg.decode_step_s, cfg.max_num_batched_tokens * cfg.prefill_s_per_token)
+        cost = max(cfg.decode_step_s, tokens * step / cfg.max_num_batched_tokens)
+        now = asyncio.get_running_loop().time()
+        done = max(now, self._score_free_at) + cost
+        self._score_free_at = done
+        self.scored_tokens += tokens
+        self.score_seconds += cost
+        await asyncio.sleep(done - now)
+        self._check_alive()
+        return [0.0] * len(response_ids)
 
     async def stats(self) -> EngineStats:
         self._check_alive()
