@@ -5,7 +5,9 @@ actor, rewards) for a few steps on the tiny model, per combination:
 * the rollout engine's log-probs match the trainer's recompute on trajectories of the
   trainer's current version (float32: < 1e-4);
 * the FSDP + SGLang row trains with CISPO and token-masked TIS (its masked-fraction metric
-  reported), the Megatron + vLLM row with GSPO and geometric-mean TIS;
+  reported), the Megatron + vLLM row with GSPO and geometric-mean TIS, and both with dynamic
+  sampling (a filter that drops every third group): the dropped groups are counted, never
+  trained, and the run's audit accounts for every prompt once;
 * and, for the two LoRA rows, a run resumed from a checkpoint continues from its step.
 
 ``fsdp+vllm+lora`` and ``megatron+sglang+lora`` train ``trainer.lora`` adapters: every
@@ -43,9 +45,11 @@ pytest.importorskip("ray")
 from laminar_core.models import build_tiny_model
 from laminar_core.runtime.train import make_run_dir, start_run
 from laminar_core.telemetry.events import WeightPull
+from laminar_core.testing.audit import audit_run
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 3
+DYNAMIC = "algorithm.dynamic_sampling={filter: 'laminar_core.testing.filters:every_third'}"
 COMBOS = {
     # the trainer-side algorithms (issue 35) ride on the full-model rows: each loss and
     # correction runs through both trainers' loss path and both engines' log-probs
@@ -55,6 +59,7 @@ COMBOS = {
         "algorithm.loss=cispo",
         "algorithm.off_policy=tis",
         "algorithm.is_mask=token",
+        DYNAMIC,
     ],
     "megatron+vllm": [
         "trainer.engine=megatron",
@@ -64,6 +69,7 @@ COMBOS = {
         "algorithm.clip_high=4e-4",
         "algorithm.off_policy=tis",
         "algorithm.is_level=geometric",
+        DYNAMIC,
     ],
     "fsdp+vllm+lora": [
         "trainer.engine=fsdp",
@@ -155,6 +161,11 @@ def test_combination_trains_and_agrees_on_logprobs(combo, model, ray_cluster, tm
     # the matrix's figures (pytest -rP shows them): log-prob gap, steps/s after start-up
     print(f"{combo}: logprob gap max {max(gaps):.2e}, {len(rows) / wall:.2f} steps/s")
     assert max(gaps) < 1e-4, gaps
+    if DYNAMIC in COMBOS[combo]:  # dropped groups: counted, never trained, audited once
+        assert sum(r.get("groups_filtered", 0) for r in rows) > 0, rows[-1].keys()
+        report = audit_run(run_dir)
+        assert report.ok, report.problems
+        assert report.filtered_prompts > 0
     if "algorithm.is_mask=token" in COMBOS[combo]:
         assert any("is_masked_fraction" in r for r in rows), rows[-1].keys()
     if combo in RESUMED:  # a resumed run continues from the checkpoint's step
