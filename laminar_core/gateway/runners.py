@@ -157,18 +157,19 @@ class CommandRunner(AgentRunner):
     async def run(
         self, base_url: str, api_key: str, row: dict[str, Any], timeout_s: float
     ) -> float | None:
-        with tempfile.TemporaryDirectory(prefix="laminar-agent-") as tmp:
-            env = {
-                **os.environ,
-                "OPENAI_BASE_URL": base_url,
-                "OPENAI_API_KEY": api_key,
-                "LAMINAR_ROW": json.dumps(row, default=str),
-                "LAMINAR_REWARD_FILE": str(Path(tmp) / "reward"),
-            }
-            if self.sandbox is None:
-                return await self._run(self.command, env, Path(tmp) / "reward", timeout_s)
+        env = {
+            **os.environ,
+            "OPENAI_BASE_URL": base_url,
+            "OPENAI_API_KEY": api_key,
+            "LAMINAR_ROW": json.dumps(row, default=str),
+        }
+        if self.sandbox is not None:  # the sandbox gives the episode its home and reward file
             async with self.sandbox.episode(self.command, base_url, env) as box:
                 return await self._run(box.argv, box.env, Path(box.reward_file), timeout_s)
+        with tempfile.TemporaryDirectory(prefix="laminar-agent-") as tmp:
+            reward = Path(tmp) / "reward"
+            env["LAMINAR_REWARD_FILE"] = str(reward)
+            return await self._run(self.command, env, reward, timeout_s)
 
     async def _run(
         self, argv: Sequence[str], env: dict[str, str], reward_file: Path, timeout_s: float
@@ -198,8 +199,9 @@ class CommandRunner(AgentRunner):
             raise AgentFailed(
                 "crashed", f"{self.command[0]} exited with {proc.returncode}: {last[0]}"
             )
-        if reward_file.exists() and reward_file.read_text().strip():
-            return _reward(reward_file.read_text().strip(), "$LAMINAR_REWARD_FILE")
+        written = reward_file.read_text().strip() if reward_file.is_file() else ""
+        if written:
+            return _reward(written, "$LAMINAR_REWARD_FILE")
         lines = [
             line[len(self.reward_prefix) :].strip()
             for line in out.decode(errors="replace").splitlines()
