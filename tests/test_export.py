@@ -64,13 +64,16 @@ def _trained_checkpoint(model: str, run_dir: str, out: dict) -> None:
     asyncio.run(main())
 
 
+def _export(run_dir, *args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "laminar_core.cli", "export", str(run_dir), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+
+
 @pytest.fixture(scope="module")
-def work(tmp_path_factory):
-    """One folder for the module: the vLLM test loads what the export test exported."""
-    return tmp_path_factory.mktemp("export")
-
-
-def test_export_writes_a_peft_adapter_and_a_merged_model(work):
+def exported(tmp_path_factory):
+    """A LoRA run's checkpoint exported twice (``laminar export`` and ``--merge``), shared by
+    the module's tests: ``(work, model, run_dir, trained adapter)``."""
+    work = tmp_path_factory.mktemp("export")
     model = str(build_tiny_model(work / "m", seed=0))
     run_dir = work / "run"
     run_dir.mkdir()
@@ -81,13 +84,14 @@ def test_export_writes_a_peft_adapter_and_a_merged_model(work):
     p.join(timeout=300)
     assert p.exitcode == 0
     trained = dict(out["adapter"])
+    for args in ((), ("--merge",)):
+        res = _export(run_dir, *args)
+        assert res.returncode == 0, res.stderr[-2000:]
+    return work, model, run_dir, trained
 
-    def export(*args: str) -> subprocess.CompletedProcess:
-        cmd = [sys.executable, "-m", "laminar_core.cli", "export", str(run_dir), *args]
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
 
-    res = export()
-    assert res.returncode == 0, res.stderr[-2000:]
+def test_export_writes_a_peft_adapter_and_a_merged_model(exported):
+    work, model, run_dir, trained = exported
     adapter_dir = run_dir / "export" / "step_000001"
     conf = json.loads((adapter_dir / "adapter_config.json").read_text())
     assert conf["peft_type"] == "LORA" and conf["r"] == 4
@@ -97,8 +101,6 @@ def test_export_writes_a_peft_adapter_and_a_merged_model(work):
     assert "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight" in tensors
     assert all(torch.equal(tensors[n], trained[n]) for n in trained)
 
-    res = export("--merge")
-    assert res.returncode == 0, res.stderr[-2000:]
     from transformers import AutoModelForCausalLM
 
     merged = AutoModelForCausalLM.from_pretrained(run_dir / "export" / "step_000001-merged")
@@ -123,7 +125,7 @@ def test_export_writes_a_peft_adapter_and_a_merged_model(work):
     assert bad.returncode == 2 and "no checkpoint there" in bad.stderr
 
 
-def test_vllm_serves_the_merged_export(work):
+def test_vllm_serves_the_merged_export(exported):
     """The merged export is a model directory a vLLM replica loads as any other: its
     log-probs on its own samples match transformers' on the same directory."""
     require_modules("laminar_vllm", "vllm", what="vLLM loading the merged export")
@@ -133,9 +135,7 @@ def test_vllm_serves_the_merged_export(work):
     from laminar_core.types import GenerationRequest, SamplingParams
     from laminar_vllm import VLLMOptions, VLLMRolloutEngine
 
-    merged = work / "run" / "export" / "step_000001-merged"
-    if not merged.is_dir():
-        pytest.skip("the export test did not run first")
+    merged = exported[2] / "export" / "step_000001-merged"
     opts = VLLMOptions(kv_cache_mb=32, max_model_len=256, max_num_seqs=4)
 
     async def main():
