@@ -37,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import hashlib
 import importlib.util
 import itertools
 import os
@@ -46,6 +47,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -126,7 +128,10 @@ class SGLangRolloutEngine(RolloutEngine):
         self.child_pids: list[int] = []
         self._proc: subprocess.Popen | None = None
         self._tmp: str | None = None  # the host's TMPDIR (SGLang's IPC socket files)
-        self._leftovers: list[str] = []  # files SGLang leaves in /dev/shm
+        # files SGLang leaves in /dev/shm: its load snapshot's from before the host starts
+        # (this replica names SGLang's instance), the rest once SGLang is ready
+        self._leftovers: list[str] = []
+        self._ready = False  # SGLang answered ready: stop() may ask the host to shut down
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
         self._reading: asyncio.Task | None = None
@@ -214,6 +219,12 @@ class SGLangRolloutEngine(RolloutEngine):
                 "machine, or `bash scripts/install.sh` (the CPU recipe) on CPU"
             )
         self._scratch.remove_orphans()
+        # SGLang's instance id names its load-snapshot file; chosen here, the file is this
+        # replica's to remove from the start on, whenever the host dies (``_kill_host``)
+        instance_id = uuid.uuid4().hex[:12]
+        snapshot = snapshot_path(instance_id)
+        self._leftovers = [snapshot]
+        self._ready = False
         ours, theirs = socket.socketpair()
         try:
             self._proc = subprocess.Popen(
@@ -226,13 +237,19 @@ class SGLangRolloutEngine(RolloutEngine):
             )
         finally:
             theirs.close()
-        self.host_pid = self._proc.pid
+        proc = self._proc
+        self.host_pid = proc.pid
         self._reader, self._writer = await asyncio.open_connection(sock=ours)
-        channel.send(self._writer, {"engine_kwargs": self.engine_kwargs(path)})
+        first = {"engine_kwargs": self.engine_kwargs(path), "instance_id": instance_id}
+        channel.send(self._writer, {**first, "snapshot": snapshot})
         try:
             msg = await asyncio.wait_for(channel.recv(self._reader), self.opt.start_timeout_s)
         except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError) as e:
-            code = self._proc.poll()
+            code = proc.poll()
+            if self._dead is not None:  # stop() came first and removed the host
+                raise RuntimeError(
+                    f"rollout replica {self.replica_id}: stopped while SGLang was starting"
+                ) from None
             await self._abandon("did not start")
             what = (
                 f"did not start within {self.opt.start_timeout_s:.0f} s "
@@ -253,14 +270,17 @@ class SGLangRolloutEngine(RolloutEngine):
                 "rollout.sglang.context_length."
             )
         self.child_pids = list(msg["pids"])
-        self._leftovers = list(msg["leftovers"])
+        self._leftovers = sorted({*self._leftovers, *msg["leftovers"]})
         self._capacity_tokens = int(msg["capacity"])
+        self._ready = True
         self._reading = asyncio.ensure_future(self._read())
 
     async def stop(self) -> None:
+        """Shut SGLang down and remove what it left; a replica still starting (``start``
+        waits for SGLang) kills its host at once, which makes that ``start`` raise."""
         if self._proc is None:
             return
-        if self._dead is None:
+        if self._dead is None and self._ready:
             self._stopping = True  # the channel closing from now on is the host exiting as asked
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._call("stop"), _STOP_WAIT_S)
@@ -296,17 +316,37 @@ class SGLangRolloutEngine(RolloutEngine):
         proc = self._proc
         if proc is None:
             return
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            await asyncio.to_thread(proc.wait, 30)
-        children = []
+        # SGLang's processes, whether or not it got as far as naming them (a start cut
+        # short): the files go only once none of them can still create one
+        descendants: list[psutil.Process] = []
+        with contextlib.suppress(psutil.Error):
+            descendants = psutil.Process(proc.pid).children(recursive=True)
+        children = {p.pid: p for p in descendants}
         for pid in self.child_pids:
             with contextlib.suppress(psutil.Error):
-                children.append(psutil.Process(pid))
-        if children:  # orphans now: init reaps them once they exit
-            await asyncio.to_thread(psutil.wait_procs, children, 30)
-        for path in self._leftovers:
+                children.setdefault(pid, psutil.Process(pid))
+        # and what they hold in /dev/shm: before ready, the replica knows only its snapshot
+        made = _sglang_shm([proc.pid, *children])
+        # multiprocessing's resource tracker unlinks the named semaphores it was told of once
+        # every process that could use them is gone: it goes last (killed by the group kill,
+        # it could not, and a start cut short has not told the replica their names)
+        trackers = [p for p in descendants if _is_resource_tracker(p)]
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        for p in descendants:
+            if p not in trackers:
+                with contextlib.suppress(psutil.Error):
+                    p.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            await asyncio.to_thread(proc.wait, 30)
+        others = [p for p in children.values() if p not in trackers]
+        if others:  # orphans now: init reaps them once they exit
+            await asyncio.to_thread(psutil.wait_procs, others, 30)
+        if trackers:
+            await asyncio.to_thread(psutil.wait_procs, trackers, 10)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)  # what is left of SGLang's processes
+        for path in sorted({*self._leftovers, *made}):
             with contextlib.suppress(OSError):
                 os.unlink(path)
         if self._tmp is not None:
@@ -523,6 +563,39 @@ class SGLangRolloutEngine(RolloutEngine):
             kv_capacity_tokens=capacity,
             version=self.version,
         )
+
+
+def snapshot_path(instance_id: str) -> str:
+    """The load-snapshot file SGLang's instance ``instance_id`` (hex digits) creates in
+    /dev/shm: ``sglang.srt.managers.load_snapshot.shm_path_for``, computed here so the
+    replica knows it without importing SGLang (the host refuses to start if they differ)."""
+    digest = hashlib.blake2s(instance_id.encode(), digest_size=4).hexdigest()
+    return f"/dev/shm/sglang_loads_{instance_id}_{digest}.shm"
+
+
+def _is_resource_tracker(p: psutil.Process) -> bool:
+    try:
+        return "multiprocessing.resource_tracker" in " ".join(p.cmdline())
+    except psutil.Error:
+        return False
+
+
+def _sglang_shm(pids: list[int]) -> set[str]:
+    """The /dev/shm files processes ``pids`` have mapped that SGLang made: its load snapshot
+    and multiprocessing's named semaphores (``sem.mp-*``), whose unlinker, the resource
+    tracker, dies with them. Not a relay's weights, which SGLang's schedulers map too."""
+    found: set[str] = set()
+    for pid in pids:
+        try:
+            maps = Path(f"/proc/{pid}/maps").read_text()
+        except OSError:
+            continue
+        for line in maps.splitlines():
+            path = line.split(maxsplit=5)[-1] if line.count(" ") >= 5 else ""
+            name = path.removeprefix("/dev/shm/")
+            if name != path and name.startswith(("sglang_", "sem.mp-")) and " " not in name:
+                found.add(path)  # " (deleted)": unlinked already
+    return found
 
 
 def lora_engine_args(lora: LoRASpec, device: str) -> dict[str, Any]:

@@ -12,7 +12,9 @@ own children, so the replica survives and sees the host's end of the socket clos
 ``ReplicaFailure``. The host also exits when the replica's end closes, so a replica that
 dies leaves no SGLang processes behind.
 
-Messages in: ``{"op": "generate", "rid", "input_ids", "sampling", "lora"?}`` (``lora``: the
+Messages in: first ``{"engine_kwargs", "instance_id", "snapshot"}`` (SGLang's ``Engine``
+arguments, the instance id the replica chose for it, and the load-snapshot file that id
+names); then ``{"op": "generate", "rid", "input_ids", "sampling", "lora"?}`` (``lora``: the
 loaded adapter's name the request runs with), ``{"op": "abort", "rids"}``, ``{"op": "stats" |
 "update" | "load_lora" | "unload_lora" | "stop", "id", ...}``. Messages out: ``{"t":
 "ready" | "failed"}`` once, ``{"t": "out", "rid", "ids", "lps", "fin", "done"}`` per
@@ -75,6 +77,7 @@ class _Host:
         try:
             from sglang.srt.entrypoints.engine import Engine
 
+            _name_instance(cfg["instance_id"], cfg["snapshot"])
             self.semaphores_before = _semaphores()
             self.engine = Engine(**cfg["engine_kwargs"])
         except BaseException as e:  # reported to the replica, then exit
@@ -90,10 +93,13 @@ class _Host:
             return
         self.tm = self.engine.tokenizer_manager
         info = await self._info()
-        channel.send(self.writer, {"t": "ready", **info})
-        await self.writer.drain()
         try:
+            # a replica gone while SGLang started: the send fails, SGLang still goes below
+            channel.send(self.writer, {"t": "ready", **info})
+            await self.writer.drain()
             await self._serve()
+        except (ConnectionError, OSError):
+            pass
         finally:
             self.engine.shutdown()
             # what SGLang leaves behind; the replica removes it too, unless it is the one gone
@@ -305,6 +311,31 @@ class _Host:
                 return
             await asyncio.sleep(0.05)
         raise RuntimeError(f"flush_cache after the weight update failed: {result.message}")
+
+
+def _name_instance(instance_id: str, snapshot: str) -> None:
+    """Make the SGLang engine about to start use the replica's ``instance_id`` (SGLang draws
+    a random one in ``PortArgs.init_new``), so the replica knows the name of SGLang's
+    load-snapshot file (``snapshot``) before SGLang creates it, and removes it however the
+    start ends (the host killed half-way leaves it: nothing of SGLang unlinks it then).
+    Refuses to start if SGLang would name that file otherwise than the replica expects."""
+    from sglang.srt.managers.load_snapshot import shm_path_for
+    from sglang.srt.server_args import PortArgs
+
+    if shm_path_for(instance_id) != snapshot:
+        raise RuntimeError(
+            f"this SGLang names its load snapshot {shm_path_for(instance_id)}, not {snapshot}: "
+            "laminar_sglang.engine.snapshot_path must follow "
+            "sglang.srt.managers.load_snapshot.shm_path_for"
+        )
+    made = PortArgs.init_new
+
+    def init_new(*args: Any, **kwargs: Any) -> Any:
+        port_args = made(*args, **kwargs)
+        port_args.instance_id = instance_id
+        return port_args
+
+    PortArgs.init_new = staticmethod(init_new)  # type: ignore[method-assign]
 
 
 def main() -> None:

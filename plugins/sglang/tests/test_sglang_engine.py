@@ -150,6 +150,17 @@ async def _until(cond, timeout: float = 120.0, what: str = "condition") -> None:
 
 
 # -- no engine needed ----------------------------------------------------------------------
+def test_the_replica_names_sglangs_load_snapshot_as_sglang_does():
+    """The replica computes the /dev/shm file SGLang's instance will create without
+    importing SGLang: it must be the name SGLang gives it."""
+    from sglang.srt.managers.load_snapshot import shm_path_for
+
+    from laminar_sglang.engine import snapshot_path
+
+    for instance_id in ("15fa59d3bed7", "0123456789ab"):
+        assert snapshot_path(instance_id) == shm_path_for(instance_id)
+
+
 def test_options_map_to_sglang_engine_args(model_dir):
     eng = SGLangRolloutEngine("r", model_dir, OPTS, model_dtype="float32")
     kw = eng.engine_kwargs(model_dir)
@@ -400,3 +411,55 @@ def test_dead_scheduler_is_a_replica_failure_not_a_dead_driver(rt, engines):
     # stop() returns once SGLang's processes are gone (killed with the host's group)
     _, alive = psutil.wait_procs([host, *children], timeout=0)
     assert alive == []
+
+
+# -- a start cut short (its own engines; the module's are not needed) -----------------------
+def test_a_start_cut_short_leaves_no_process_and_no_shm_file(model_dir, monkeypatch):
+    """SGLang cut short while it starts, after its scheduler made its load snapshot in
+    /dev/shm and before it is ready: one replica stopped (a run closing while the replica
+    restarts), the other's host killed (the replica sees its start fail). Neither leaves an
+    SGLang process or a /dev/shm file SGLang made: the replica named SGLang's instance, so
+    it knew that file before SGLang could create it."""
+    import psutil
+
+    from laminar_core.runtime.hosts import shm_files_of
+
+    # SGLang's own test hook: the scheduler stops before it is ready (for the test's length)
+    monkeypatch.setenv("SGLANG_TEST_STUCK_SCHEDULER_INIT", "3600")
+    stopped = SGLangRolloutEngine("cut-stopped", model_dir, OPTS, model_dtype="float32")
+    killed = SGLangRolloutEngine("cut-killed", model_dir, OPTS, model_dtype="float32")
+    seen: list[str] = []
+    procs: list[psutil.Process] = []
+
+    async def snapshot_made(engine: SGLangRolloutEngine) -> bool:
+        files = shm_files_of(engine.host_pid) if engine.host_pid is not None else []
+        return any(os.path.basename(f).startswith("sglang_loads_") for f in files)
+
+    def what_sglang_made(engine: SGLangRolloutEngine) -> None:
+        seen.extend(shm_files_of(engine.host_pid))
+        host = psutil.Process(engine.host_pid)
+        procs.extend([host, *host.children(recursive=True)])
+
+    async def main() -> None:
+        starts = [asyncio.ensure_future(e.start()) for e in (stopped, killed)]
+        try:
+            for e in (stopped, killed):
+                await _until(lambda e=e: snapshot_made(e), 600, f"{e.replica_id}'s snapshot")
+            assert not any(s.done() for s in starts)  # SGLang is not ready
+            for e in (stopped, killed):
+                what_sglang_made(e)
+            os.kill(killed.host_pid, signal.SIGKILL)
+            await stopped.stop()
+            for s in starts:
+                with pytest.raises(RuntimeError, match="while"):
+                    await s
+        finally:
+            for s in starts:
+                s.cancel()
+            await asyncio.gather(stopped.stop(), killed.stop(), return_exceptions=True)
+
+    asyncio.run(main())
+    assert any(os.path.basename(f).startswith("sglang_loads_") for f in seen)
+    _, alive = psutil.wait_procs(procs, timeout=0)
+    assert alive == []
+    assert [f for f in seen if os.path.exists(f)] == []
