@@ -47,6 +47,7 @@ if TYPE_CHECKING:  # the names as type checkers and IDEs see them
         WeightsRef,
         WeightTransport,
         iterate_in_thread,
+        shm_files_of,
         to_device,
     )
     from laminar_core.interfaces.weights import load_shared
@@ -127,6 +128,7 @@ _LAZY: dict[str, tuple[str, str]] = {
     "WeightTransport": ("laminar_core.interfaces", "WeightTransport"),
     "iterate_in_thread": ("laminar_core.interfaces", "iterate_in_thread"),
     "to_device": ("laminar_core.interfaces", "to_device"),
+    "shm_files_of": ("laminar_core.interfaces", "shm_files_of"),
     "load_shared": ("laminar_core.interfaces.weights", "load_shared"),
     "build_tiny_model": ("laminar_core.models", "build_tiny_model"),
     "model_dir": ("laminar_core.models", "model_dir"),
@@ -242,6 +244,7 @@ __all__ = [
     "make_parser",
     "model_dir",
     "response_of",
+    "shm_files_of",
     "to_device",
     "unpack",
 ]

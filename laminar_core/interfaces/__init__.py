@@ -15,7 +15,7 @@ from laminar_core.interfaces.environment import (
 from laminar_core.interfaces.inflight import InFlightTrajectories, LiveTrajectory
 from laminar_core.interfaces.repack import RepackPolicy
 from laminar_core.interfaces.rollout import ReplicaFailure, RolloutEngine
-from laminar_core.interfaces.scratch import ShmScratch
+from laminar_core.interfaces.scratch import ShmScratch, shm_files_of
 from laminar_core.interfaces.trainer import (
     TrainerContext,
     TrainerEngine,
@@ -61,5 +61,6 @@ __all__ = [
     "WeightsRef",
     "build",
     "iterate_in_thread",
+    "shm_files_of",
     "to_device",
 ]

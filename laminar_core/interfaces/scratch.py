@@ -92,3 +92,26 @@ class ShmScratch:
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
+
+
+def shm_files_of(pid: int) -> list[str]:
+    """``/dev/shm`` files mapped by process ``pid`` and its descendants (from /proc)."""
+    import psutil
+
+    try:
+        procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    except psutil.Error:
+        return []
+    found: set[str] = set()
+    for p in procs:
+        try:
+            maps = Path(f"/proc/{p.pid}/maps").read_text()
+        except OSError:
+            continue
+        for line in maps.splitlines():
+            path = line.split(maxsplit=5)[-1] if line.count(" ") >= 5 else ""
+            # already unlinked (its owner cleaned up), or a relay's version (its own cleanup)
+            ours = path.startswith("/dev/shm/") and not path.startswith("/dev/shm/laminar")
+            if ours and not path.endswith("(deleted)"):
+                found.add(path)
+    return sorted(found)

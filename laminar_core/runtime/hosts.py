@@ -9,12 +9,17 @@ look like a ``RolloutEngine`` and a ``TrainerGroup`` to the controller and the m
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from laminar_core.interfaces import BuildContext, TensorWeights, TrainerContext, build
+from laminar_core.interfaces import (
+    BuildContext,
+    TensorWeights,
+    TrainerContext,
+    build,
+    shm_files_of,
+)
 from laminar_core.net import free_port
 from laminar_core.plugins import default_manager
 from laminar_core.runtime.ray_calls import (
@@ -197,29 +202,6 @@ class TrainerHost:
         async for _ in self.engine.export_weights():  # take part in every gather, keep nothing
             pass
         return None
-
-
-def shm_files_of(pid: int) -> list[str]:
-    """``/dev/shm`` files mapped by process ``pid`` and its descendants (from /proc)."""
-    import psutil
-
-    try:
-        procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
-    except psutil.Error:
-        return []
-    found: set[str] = set()
-    for p in procs:
-        try:
-            maps = Path(f"/proc/{p.pid}/maps").read_text()
-        except OSError:
-            continue
-        for line in maps.splitlines():
-            path = line.split(maxsplit=5)[-1] if line.count(" ") >= 5 else ""
-            # already unlinked (its owner cleaned up), or a relay's version (its own cleanup)
-            ours = path.startswith("/dev/shm/") and not path.startswith("/dev/shm/laminar")
-            if ours and not path.endswith("(deleted)"):
-                found.add(path)
-    return sorted(found)
 
 
 def remove_files(paths: list[str]) -> int:

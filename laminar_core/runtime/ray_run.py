@@ -58,6 +58,9 @@ log = logging.getLogger(__name__)
 # Transports whose endpoints only work inside one process: their relays stay in the driver.
 DRIVER_TRANSPORTS = ("inprocess", "sim")
 _runs = itertools.count()
+# How long a replica actor whose start is cut short gets to stop its engine before it is
+# killed (``RayRuntime._retire``)
+_RETIRE_S = 60.0
 
 # Threads per actor process: two engines sharing a core each must not spawn a pool per core.
 WORKER_ENV = {
@@ -165,6 +168,11 @@ class RayRuntime:
         self._known_nodes: set[str] = set()  # runtime.elastic: nodes already considered
         self._follow: asyncio.Future | None = None
         self.startup: dict[str, float] = {}  # part -> seconds it took to start
+        # replica restarts in flight, and the actors of cut-short ones being stopped: a
+        # close cancels the first and waits for both (``close``)
+        self._restarts: set[asyncio.Future] = set()
+        self._retiring: set[asyncio.Future] = set()
+        self._closing = False
 
     # --- start ---------------------------------------------------------------------------------
 
@@ -433,6 +441,14 @@ class RayRuntime:
     # --- stop ----------------------------------------------------------------------------------
 
     async def close(self, run: Run) -> None:
+        # no replica restart starts from here on; one in flight is cancelled, and its actor
+        # stopped and killed, before the actors go (none outlives the run)
+        self._closing = True
+        restarts = list(self._restarts)
+        for task in restarts:
+            task.cancel()
+        await asyncio.gather(*restarts, return_exceptions=True)
+        await asyncio.gather(*list(self._retiring), return_exceptions=True)
         if self._follow is not None:
             self._follow.cancel()
             await asyncio.gather(self._follow, return_exceptions=True)
@@ -550,7 +566,15 @@ class RayRuntime:
     async def restart_replica(self, run: Run, index: int) -> RolloutEngine:
         """A new replica actor in the same placement-group bundle (the same node), started;
         the old one is killed first (it may be hung, not dead) and what it left in shared
-        memory removed."""
+        memory removed. Refused once the run is closing; ``close`` cancels one in flight."""
+        if self._closing:
+            raise RuntimeStartError(f"replica r{index} is not restarted: the run is closing")
+        task = asyncio.ensure_future(self._restart_replica(run, index))
+        self._restarts.add(task)
+        task.add_done_callback(self._restarts.discard)
+        return await task  # a cancelled caller cancels the restart too
+
+    async def _restart_replica(self, run: Run, index: int) -> RolloutEngine:
         rt = self.spec.resolved.cfg.runtime
         self._kill(self.replica_handles[index])
         if not _node_alive(self.replica_nodes[index]):
@@ -566,9 +590,25 @@ class RayRuntime:
                 )
             await _with_timeout(engine.start(), rt.start_timeout_s)
         except BaseException:
-            self._kill(handle)
+            retire = asyncio.ensure_future(self._retire(handle))
+            self._retiring.add(retire)
+            retire.add_done_callback(self._retiring.discard)
+            with contextlib.suppress(BaseException):  # cancelled again: close waits for it
+                await asyncio.shield(retire)
             raise
         return engine
+
+    async def _retire(self, handle: Any) -> None:
+        """Stop the engine of a replica actor whose start was cut short (cancelled, timed
+        out), then kill the actor. Killed while it starts, its engine could not remove what
+        it had made so far (SGLang's load snapshot in /dev/shm, which outlives the
+        processes that made it) and the driver does not know those files yet; asked to
+        stop, the engine does. A hung actor is killed after ``_RETIRE_S`` all the same."""
+        try:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(handle.call.remote("stop"), _RETIRE_S)
+        finally:
+            self._kill(handle)
 
     async def restart_relay(self, run: Run, relay_id: int) -> None:
         """A new relay actor on the dead one's node, in its place in the chain, caught up to

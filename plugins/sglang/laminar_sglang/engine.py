@@ -71,6 +71,7 @@ from laminar_core import (
     Trajectory,
     WeightsRef,
     model_dir,
+    shm_files_of,
 )
 from laminar_core.training import LoRASpec, write_adapter
 from laminar_sglang import channel, cpu_support, loader
@@ -325,8 +326,13 @@ class SGLangRolloutEngine(RolloutEngine):
         for pid in self.child_pids:
             with contextlib.suppress(psutil.Error):
                 children.setdefault(pid, psutil.Process(pid))
-        # and what they hold in /dev/shm: before ready, the replica knows only its snapshot
-        made = _sglang_shm([proc.pid, *children])
+        # and what SGLang made in /dev/shm that they hold (its load snapshot, known already,
+        # and multiprocessing's named semaphores); not a relay's weights, mapped there too
+        made = [
+            f
+            for f in shm_files_of(proc.pid)
+            if os.path.basename(f).startswith(("sglang_", "sem.mp-"))
+        ]
         # multiprocessing's resource tracker unlinks the named semaphores it was told of once
         # every process that could use them is gone: it goes last (killed by the group kill,
         # it could not, and a start cut short has not told the replica their names)
@@ -578,24 +584,6 @@ def _is_resource_tracker(p: psutil.Process) -> bool:
         return "multiprocessing.resource_tracker" in " ".join(p.cmdline())
     except psutil.Error:
         return False
-
-
-def _sglang_shm(pids: list[int]) -> set[str]:
-    """The /dev/shm files processes ``pids`` have mapped that SGLang made: its load snapshot
-    and multiprocessing's named semaphores (``sem.mp-*``), whose unlinker, the resource
-    tracker, dies with them. Not a relay's weights, which SGLang's schedulers map too."""
-    found: set[str] = set()
-    for pid in pids:
-        try:
-            maps = Path(f"/proc/{pid}/maps").read_text()
-        except OSError:
-            continue
-        for line in maps.splitlines():
-            path = line.split(maxsplit=5)[-1] if line.count(" ") >= 5 else ""
-            name = path.removeprefix("/dev/shm/")
-            if name != path and name.startswith(("sglang_", "sem.mp-")) and " " not in name:
-                found.add(path)  # " (deleted)": unlinked already
-    return found
 
 
 def lora_engine_args(lora: LoRASpec, device: str) -> dict[str, Any]:

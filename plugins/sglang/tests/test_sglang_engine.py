@@ -422,7 +422,7 @@ def test_a_start_cut_short_leaves_no_process_and_no_shm_file(model_dir, monkeypa
     it knew that file before SGLang could create it."""
     import psutil
 
-    from laminar_core.runtime.hosts import shm_files_of
+    from laminar_core import shm_files_of
 
     # SGLang's own test hook: the scheduler stops before it is ready (for the test's length)
     monkeypatch.setenv("SGLANG_TEST_STUCK_SCHEDULER_INIT", "3600")
