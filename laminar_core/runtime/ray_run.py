@@ -445,6 +445,8 @@ class RayRuntime:
         # stopped and killed, before the actors go (none outlives the run)
         self._closing = True
         restarts = list(self._restarts)
+        if restarts:
+            log.info("closing the run: %d replica restart(s) in flight cancelled", len(restarts))
         for task in restarts:
             task.cancel()
         await asyncio.gather(*restarts, return_exceptions=True)
