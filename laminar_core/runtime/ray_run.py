@@ -606,6 +606,7 @@ class RayRuntime:
         it had made so far (SGLang's load snapshot in /dev/shm, which outlives the
         processes that made it) and the driver does not know those files yet; asked to
         stop, the engine does. A hung actor is killed after ``_RETIRE_S`` all the same."""
+        log.info("a replica restart was cut short: its engine is stopped, then its actor killed")
         try:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(handle.call.remote("stop"), _RETIRE_S)
