@@ -1,23 +1,27 @@
 """On-policy distillation on CPU: a tiny student distilled from a tiny teacher on ``repeat``.
 
 The teacher is the tiny model fitted to exact ``repeat`` demonstrations (``laminar
-tiny-model --warmup repeat --warmup-share 1``); the student a fresh random-init tiny model
-of another seed (same tokenizer). Each arm is a real ``laminar train`` run of the quickstart
-(Ray, FSDP2, vLLM; 1 trainer rank, 1 student replica and, with a teacher, 1 teacher replica)
-for ``--steps`` steps:
+tiny-model --warmup repeat --warmup-share 1``); the student a tiny model of another seed
+given a short SFT (``--student-warmup`` steps on exact demonstrations that skip the held-out
+``(letter, count)`` pairs: it knows the format, not every count), as the published recipes
+distil from an SFT'd student (``--student-warmup 0``: a random init, which collapses; see
+docs/benchmarks.md). Each arm is a real ``laminar train`` run of the quickstart (Ray, FSDP2,
+vLLM; 1 trainer rank, 1 student replica and, with a teacher, 1 teacher replica) for
+``--steps`` steps at ``--lr`` cosine-decayed to 10%:
 
 * ``distill``: ``algorithm.advantage: none`` + ``distill_coef`` (the reward is logged and
   evaluated, never learned from: pure on-policy distillation);
 * ``distill+grpo``: GRPO's reward advantage plus the distillation term;
 * ``grpo``: GRPO alone (the baseline, no teacher).
 
-Printed side by side: the held-out eval reward (greedy, the run's own eval rounds on the
-``split: eval`` prompts) of the teacher, of the student before training (both a greedy
-transformers decode of the same prompts) and of each arm after, with the share of the
-teacher-student gap each arm closed; wall seconds per step; the teacher's scoring latency
-per trajectory (from a trajectory's end to its score) and how much of the step it is.
+Printed side by side: the held-out eval reward (greedy, the run's own eval round on the
+``split: eval`` prompts: pairs neither the student's SFT nor the runs train on) of the
+teacher, of the student before training (both a greedy transformers decode of the same
+prompts) and of each arm after, with the share of the teacher-student gap each arm closed;
+wall seconds per step; the teacher's scoring latency per trajectory (from a trajectory's end
+to its score).
 
-    python benchmarks/distill.py --steps 40 --seeds 0,1
+    python benchmarks/distill.py --seeds 0,1,2
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+HOLDOUT = 0.1  # the share of (letter, count) pairs held out for eval
 ARMS = {
     "distill": ["algorithm.advantage=none", "algorithm.distill_coef={coef}", "TEACHER"],
     "distill+grpo": ["algorithm.distill_coef={coef}", "TEACHER"],
@@ -40,8 +45,15 @@ ARMS = {
 }
 
 
-def build_models(teacher: Path, student: Path, warmup_steps: int) -> None:
-    """The teacher (fitted to exact demonstrations) and the fresh student, if missing."""
+def build_models(
+    teacher: Path, student: Path, warmup_steps: int, student_warmup: int, holdout: float
+) -> None:
+    """The teacher (fitted to exact demonstrations) and the student, if missing: a fresh
+    random-init model of another seed, warmed for ``student_warmup`` steps on exact
+    demonstrations that skip the held-out pairs (a short SFT: the format and some counts)."""
+    from laminar_core.models import build_tiny_model
+    from laminar_core.models.warmup import repeat_demonstrations, warm_start
+
     cli = [sys.executable, "-m", "laminar_core.cli", "tiny-model"]
     if not (teacher / "config.json").is_file():
         subprocess.run(
@@ -50,7 +62,10 @@ def build_models(teacher: Path, student: Path, warmup_steps: int) -> None:
             check=True,
         )  # fmt: skip
     if not (student / "config.json").is_file():
-        subprocess.run([*cli, str(student), "--seed", "1"], check=True)
+        build_tiny_model(student, seed=1)
+        if student_warmup:
+            demos = repeat_demonstrations(0, 1.0, holdout=holdout)
+            print(warm_start(student, "repeat", steps=student_warmup, demos=demos).summary())
 
 
 def overrides(model: Path, out: Path, name: str, steps: int, seed: int, eval_size: int) -> list:
@@ -63,7 +78,7 @@ def overrides(model: Path, out: Path, name: str, steps: int, seed: int, eval_siz
         "run.checkpoint_every=-1",
         "run.eval_every=-1",
         f"data.eval_size={eval_size}",
-        "data.task_options.holdout=0.1",
+        f"data.task_options.holdout={HOLDOUT}",
         "data.eval_task_options.split=eval",
         "cluster.gpus=2",
         "cluster.trainer_gpus=1",
@@ -147,9 +162,17 @@ def fmt(x: float | None, spec: str = ".3f") -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--teacher", default="runs/distill-teacher")
-    ap.add_argument("--student", default="runs/distill-student")
-    ap.add_argument("--warmup-steps", type=int, default=300)
-    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--student", help="default runs/distill-student-wN (N: --student-warmup)")
+    ap.add_argument("--warmup-steps", type=int, default=300, help="the teacher's warm-up")
+    ap.add_argument(
+        "--student-warmup",
+        type=int,
+        default=60,
+        help="the student's SFT steps on exact demonstrations without the held-out pairs "
+        "(0: a random-init student)",
+    )
+    ap.add_argument("--lr", type=float, default=1e-3, help="every arm's trainer.fsdp.lr")
+    ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--seeds", default="0")
     ap.add_argument("--arms", default=",".join(ARMS))
     ap.add_argument("--coef", type=float, default=1.0)
@@ -159,9 +182,17 @@ def main() -> None:
     ap.add_argument("--json", help="write every run and the baselines here")
     a = ap.parse_args()
     os.chdir(ROOT)
-    teacher, student = Path(a.teacher), Path(a.student)
-    build_models(teacher, student, a.warmup_steps)
+    teacher = Path(a.teacher)
+    student = Path(a.student or f"runs/distill-student-w{a.student_warmup}")
+    build_models(teacher, student, a.warmup_steps, a.student_warmup, HOLDOUT)
     base = overrides(student, Path(a.work), "distill", a.steps, 0, a.eval_size)
+    # lr decayed to 10% by the last step (cosine), as the warm-ups do: at a constant lr the
+    # late steps undid early gains on one seed in three (docs/benchmarks.md)
+    base += [
+        f"trainer.fsdp.lr={a.lr}",
+        "trainer.fsdp.lr_schedule=cosine",
+        "trainer.fsdp.min_lr_ratio=0.1",
+    ]
     t_eval = greedy_eval(teacher, base)
     s_eval = greedy_eval(student, base)
     print(f"teacher eval {t_eval:.3f}   student before {s_eval:.3f}   ({a.eval_size} held-out)")

@@ -1,4 +1,4 @@
-"""Why distillation does not close the eval gap on the tiny CPU model: a pure-torch check.
+"""On-policy distillation vs SFT on the teacher's outputs on the tiny CPU model, in plain torch.
 
 No Laminar runtime: the student samples with ``model.generate`` (temperature 1), the teacher
 scores the same tokens with a transformers forward, one AdamW step per batch (on-policy, so

@@ -145,3 +145,22 @@ def test_repeat_warmup_knows_the_format_not_the_count():
     assert 0.15 < exact / len(demos) < 0.45  # 20% exact, plus near misses that round to it
     with pytest.raises(ValueError, match="exact_share must be in"):
         next(WARMUPS["repeat"](0, 1.5))
+
+
+def test_repeat_warmup_can_skip_the_held_out_pairs():
+    """``holdout`` skips the (letter, count) pairs a task with that holdout evaluates on (a
+    student warmed on the rest is still tested on pairs it never saw: benchmarks/distill.py);
+    0 leaves the stream as it was."""
+    import itertools
+
+    from laminar_core.models.warmup import repeat_demonstrations
+    from laminar_core.tasks.repeat import RepeatTask
+
+    held = {r["prompt"] for r in itertools.islice(RepeatTask(holdout=0.1, split="eval"), 200)}
+    full = [d.prompt for d in itertools.islice(repeat_demonstrations(0, 1.0), 2000)]
+    kept = [d.prompt for d in itertools.islice(repeat_demonstrations(0, 1.0, 0.1), 2000)]
+    assert held & set(full) and not held & set(kept)
+    # held-out prompts are a tenth of the pairs but mostly frequent ones (c*3, a*5)
+    assert len(set(kept)) > 0.8 * len(set(full))
+    with pytest.raises(ValueError, match="holdout must be in"):
+        next(repeat_demonstrations(0, 1.0, 1.0))

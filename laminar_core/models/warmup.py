@@ -25,19 +25,27 @@ from laminar_core.tasks.tool_calling import Demonstration
 from laminar_core.tasks.tool_calling import demonstrations as tool_calling_demonstrations
 
 
-def repeat_demonstrations(seed: int, exact_share: float) -> Iterator[Demonstration]:
+def repeat_demonstrations(
+    seed: int, exact_share: float, holdout: float = 0.0
+) -> Iterator[Demonstration]:
     """Endless ``repeat`` demonstrations that know the format (the prompt's letter, then
     end-of-sequence) but not the count: a share ``exact_share`` repeats it the asked number
     of times, the rest a count off by a factor in [0.5, 1.5]. A base model for LoRA runs
-    (``examples/lora.yaml``): RL then has the counting to learn."""
-    from laminar_core.tasks.repeat import RepeatTask
+    (``examples/lora.yaml``): RL then has the counting to learn. ``holdout`` > 0 skips the
+    ``(letter, count)`` pairs a ``repeat`` task with that ``holdout`` reserves for eval, so a
+    model warmed on them is still evaluated on pairs it never saw."""
+    from laminar_core.tasks.repeat import RepeatTask, held_out
 
     if not 0.0 <= exact_share <= 1.0:
         raise ValueError(f"exact_share must be in [0, 1] (got {exact_share})")
+    if not 0.0 <= holdout < 1.0:
+        raise ValueError(f"holdout must be in [0, 1) (got {holdout})")
     task = RepeatTask(seed=seed)
     rng = random.Random(f"repeat-demonstrations-{seed}")  # never a task row's stream
     while True:
         row = task[rng.randrange(len(task))]
+        if held_out(row["letter"], row["count"], holdout):
+            continue
         count = row["count"]
         if rng.random() >= exact_share:
             count = max(1, round(count * rng.uniform(0.5, 1.5)))
