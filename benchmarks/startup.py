@@ -33,15 +33,17 @@ from pathlib import Path
 import psutil
 from _common import ROOT, say, table
 
-KINDS = [  # (kind, what the process's command line holds), first match wins
+KINDS = [  # (kind, what the process's name or command line holds), first match wins
+    # (a host forked from the zygote has the zygote's command line and its own name)
     ("replica", "RolloutHost"),
     ("trainer", "TrainerHost"),
     ("relay", "RelayActor"),
     ("ray", "ray::"),  # Ray's idle workers and agents
     ("ray", "/ray/"),  # gcs_server, raylet, Ray's Python daemons
+    ("zygote", "runtime.zygote"),  # runtime.zygote: the engines' imports, once per node
     ("driver", "laminar"),
 ]
-ORDER = ["driver", "ray", "trainer", "relay", "replica", "other"]
+ORDER = ["driver", "ray", "zygote", "trainer", "relay", "replica", "other"]
 
 
 def kind_of(cmdline: str) -> str:
@@ -73,7 +75,7 @@ class Sampler:
             for p in procs:
                 try:
                     times = p.cpu_times()
-                    cmd = " ".join(p.cmdline())
+                    cmd = " ".join([p.name(), *p.cmdline()])
                 except psutil.Error:  # gone since the listing
                     continue
                 cpu = times.user + times.system

@@ -202,6 +202,7 @@ def _positive(cfg: LaminarConfig) -> None:
 
 RUNTIME_KINDS = ("local", "ray")
 DEVICES = ("auto", "cpu", "cuda")
+ZYGOTE_MODES = ("auto", "true", "false")
 
 
 def _runtime(cfg: LaminarConfig) -> None:
@@ -217,6 +218,11 @@ def _runtime(cfg: LaminarConfig) -> None:
             f"runtime.device: unknown '{rt.device}'{close_match(rt.device, DEVICES)}; "
             f"known: {', '.join(DEVICES)}"
         )
+    if str(rt.zygote).lower() not in ZYGOTE_MODES:
+        raise ConfigError(
+            f"runtime.zygote: unknown '{rt.zygote}'; known: {', '.join(ZYGOTE_MODES)}"
+        )
+    rt.zygote = str(rt.zygote).lower()
     for key, value in [
         ("runtime.cpus_per_trainer", rt.cpus_per_trainer),
         ("runtime.cpus_per_replica", rt.cpus_per_replica),

@@ -251,6 +251,11 @@ class RuntimeConfig:
     # GPUs would: without them a CPU-only run time-shares every core between the two.
     trainer_cores: str = ""
     replica_cores: str = ""
+    # Fork the trainer ranks' and the replicas' engine processes from a zygote on the
+    # driver's node that imported their modules (torch, vLLM) once, instead of each actor
+    # importing them again (start-up CPU on a small machine): auto (on for a CPU run's
+    # actors on the driver's node; GPU actors and other nodes start as before), true, false.
+    zygote: str = "auto"
 
 
 @dataclass

@@ -81,6 +81,13 @@ class RolloutEngine(abc.ABC):
     #: False: the engine reads nothing of ``model.path`` (the simulator), so no tokenizer
     #: check applies to it (a teacher's vocabulary against the student's)
     loads_model: bool = True
+    #: Modules a replica's process imports (e.g. ``("torch", "vllm.v1.engine.llm_engine")``).
+    #: Declared, a replica's process may be forked from a zygote that imported them once
+    #: (``runtime.zygote``): so only modules that start no thread when imported, and whose
+    #: import-time state does not depend on the replica (environment variables that differ
+    #: per actor, such as ``CUDA_VISIBLE_DEVICES``, are read after the fork). Empty: every
+    #: replica starts in a fresh process (an engine that runs its own subprocesses anyway).
+    preload: tuple[str, ...] = ()
 
     @abc.abstractmethod
     async def start(self) -> None:

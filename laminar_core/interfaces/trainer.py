@@ -73,6 +73,11 @@ class TrainerEngine(abc.ABC):
     #: and ``export_weights`` then yields the adapter tensors alone, under PEFT's names
     #: (``laminar_core.training.lora``); the config is refused otherwise.
     trains_lora: bool = False
+    #: Modules a rank's process imports (e.g. ``("torch", "transformers")``). Declared, a
+    #: rank's process may be forked from a zygote that imported them once
+    #: (``runtime.zygote``; the same rules as ``RolloutEngine.preload``). Empty: every rank
+    #: starts in a fresh process.
+    preload: tuple[str, ...] = ()
 
     @abc.abstractmethod
     async def setup(self, ctx: TrainerContext) -> None:

@@ -8,32 +8,35 @@ look like a ``RolloutEngine`` and a ``TrainerGroup`` to the controller and the m
 
 from __future__ import annotations
 
+import functools
+import inspect
+import logging
 import os
-from typing import Any
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
 
-import torch
-
-from laminar_core.interfaces import (
-    BuildContext,
-    TensorWeights,
-    TrainerContext,
-    build,
-    shm_files_of,
-)
-from laminar_core.net import free_port
-from laminar_core.plugins import default_manager
-from laminar_core.runtime.ray_calls import (
-    detach_resource_tracker,
-    limit_threads,
-    log_to,
-    pin_cores,
-)
-from laminar_core.runtime.resolve import resolve
 from laminar_core.runtime.startup_gc import hold_gc, release_gc
+
+if TYPE_CHECKING:
+    import torch
+
+    from laminar_core.runtime.zygote import Forked
+
+log = logging.getLogger(__name__)
+
+# This module is what a thin actor (one whose host runs in a process the zygote forked,
+# ``runtime.zygote``) imports: nothing here may import torch, transformers or an engine at
+# module level (``tests/test_lazy_imports.py``); building an engine imports them.
 
 
 def _engine(config_yaml: str, kind: str, index: int, name: str, gpus: int) -> Any:
     import yaml
+
+    from laminar_core.interfaces import BuildContext, build
+    from laminar_core.plugins import default_manager
+    from laminar_core.runtime.ray_calls import pin_cores
+    from laminar_core.runtime.resolve import resolve
 
     resolved = resolve(yaml.safe_load(config_yaml), source="driver")
     cfg = resolved.cfg
@@ -48,16 +51,108 @@ def _engine(config_yaml: str, kind: str, index: int, name: str, gpus: int) -> An
     return build(factory, ctx), resolved
 
 
+def _prepare_process(log_path: str | None) -> None:
+    from laminar_core.runtime.ray_calls import limit_threads, log_to
+
+    log_to(log_path)
+    limit_threads()
+
+
+H = TypeVar("H")
+
+
+def _forwarding(*in_actor: str) -> Callable[[type[H]], type[H]]:
+    """Class decorator for a host actor: when the instance forked its host (``_child`` set,
+    by ``_fork_host``), each public method but ``in_actor`` runs there (the arguments and
+    the result pickled, its exception re-raised as itself); else it runs here, as without a
+    zygote. Forwarded methods are coroutines either way (Ray calls them alike)."""
+
+    def wrap(name: str, fn: Callable) -> Callable:
+        is_async = inspect.iscoroutinefunction(fn)
+
+        @functools.wraps(fn)
+        async def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+            child: Forked | None = self._child
+            if child is not None:
+                return await child.call(name, args, kwargs)
+            result = fn(self, *args, **kwargs)
+            return await result if is_async else result
+
+        return method
+
+    def decorate(cls: type[H]) -> type[H]:
+        for name, fn in list(vars(cls).items()):
+            if name.startswith("_") or name in in_actor or not inspect.isfunction(fn):
+                continue
+            setattr(cls, name, wrap(name, fn))
+        return cls
+
+    return decorate
+
+
+def _fork_host(
+    host: Any, zygote: tuple | None, kind: str, args: tuple, log_path: str | None
+) -> bool:
+    """Ask the driver's zygote for a process that builds ``type(host)(*args)`` and serves
+    it (``runtime.zygote``); True if it did (``host._child`` is then set). False where there
+    is no zygote for this actor (none, another node) or it cannot fork (said once, in the
+    log): the caller builds the host in this process."""
+    host._child = None
+    if not zygote:
+        return False
+    path, node, engine = zygote
+    import ray
+
+    if ray.get_runtime_context().get_node_id() != node:
+        return False  # another node of the cluster: its actors start as without a zygote
+    from laminar_core.runtime.ray_calls import log_to
+    from laminar_core.runtime.zygote import Forked, ZygoteUnavailable
+
+    log_to(log_path)  # the child gets this process's output: the actor's log
+    cls = type(host)
+    try:
+        host._child = Forked.open(
+            path,
+            f"{cls.__module__}:{cls.__qualname__}",
+            args,
+            {"log_path": log_path},
+            kind=kind,
+            engine=engine,
+            name=cls.__qualname__,
+        )
+    except ZygoteUnavailable as e:
+        if e.by_design:
+            return False
+        log.warning("%s: building the engine in this process, not forked: %s", cls.__name__, e)
+        print(f"laminar: {cls.__name__} not forked from the zygote: {e}", flush=True)
+        return False
+    return True
+
+
+@_forwarding("node_id")
 class RolloutHost:
     """A rollout replica's actor: ``call(method, *args)`` forwards to the engine; ``start``
-    starts it (the end of this process's start-up)."""
+    starts it (the end of this process's start-up). With ``zygote`` (``(socket path, node
+    id, engine name)``: ``runtime.zygote``) the engine is built in a process forked from
+    the node's zygote, and every method but ``node_id`` runs there."""
+
+    _child: Forked | None = None
 
     def __init__(
-        self, config_yaml: str, index: int, name: str, gpus: int, log_path: str | None = None
+        self,
+        config_yaml: str,
+        index: int,
+        name: str,
+        gpus: int,
+        log_path: str | None = None,
+        zygote: tuple | None = None,
     ) -> None:
+        if _fork_host(self, zygote, "rollout", (config_yaml, index, name, gpus), log_path):
+            return
         self._gc_was_on = hold_gc()  # until the engine has started (``startup_gc``)
-        log_to(log_path)
-        limit_threads()
+        _prepare_process(log_path)
+        from laminar_core.runtime.ray_calls import detach_resource_tracker
+
         # before the engine starts processes: what they leave must outlive this actor
         detach_resource_tracker()
         self.engine, _ = _engine(config_yaml, "rollout", index, name, gpus)
@@ -72,16 +167,22 @@ class RolloutHost:
         return await getattr(self.engine, method)(*args)
 
     def pid(self) -> int:
-        """This actor's process id (for operators, and the chaos tests' ``kill -9``)."""
+        """The engine's process id (for operators, and the chaos tests' ``kill -9``): this
+        actor's, or the forked host's (its death ends this actor too)."""
         return os.getpid()
 
     def shm_files(self) -> list[str]:
         """Shared-memory files (``/dev/shm``) this actor's engine processes have mapped: what
         a replica killed without a goodbye leaves behind (vLLM's message queues)."""
+        from laminar_core.interfaces import shm_files_of
+
         return shm_files_of(os.getpid())
 
     async def load(self, version: int, tensors: list[tuple[str, torch.Tensor]]) -> None:
-        """``update_weights`` with tensors that came through Ray's object store."""
+        """``update_weights`` with tensors that came through Ray's object store (a thin
+        actor imports torch to receive them, and pickles them on to its host)."""
+        from laminar_core.interfaces import TensorWeights
+
         await self.engine.update_weights(TensorWeights(version, tensors))
 
     def node_id(self) -> str:
@@ -90,19 +191,31 @@ class RolloutHost:
         return ray.get_runtime_context().get_node_id()
 
 
+@_forwarding("rendezvous")
 class TrainerHost:
     """One trainer rank's actor. ``export`` runs the (collective) export on every rank and
     returns the tensors from rank 0 only. Rank 0 can also host the relay tier's trainer
     endpoint (``push_*``: ``runtime.proxies.RemotePush`` drives it), so a new version goes
     from here to the master relay, not through the driver; the other ranks then only take
-    part in the export (``export_drain``)."""
+    part in the export (``export_drain``). With ``zygote`` (``(socket path, node id,
+    engine name)``: ``runtime.zygote``) the rank's engine is built in a process forked from
+    the node's zygote, and every method but ``rendezvous`` runs there."""
+
+    _child: Forked | None = None
 
     def __init__(
-        self, config_yaml: str, rank: int, world: int, gpus: int, log_path: str | None = None
+        self,
+        config_yaml: str,
+        rank: int,
+        world: int,
+        gpus: int,
+        log_path: str | None = None,
+        zygote: tuple | None = None,
     ) -> None:
+        if _fork_host(self, zygote, "trainer", (config_yaml, rank, world, gpus), log_path):
+            return
         self._gc_was_on = hold_gc()  # until ``setup`` is done (``startup_gc``)
-        log_to(log_path)
-        limit_threads()
+        _prepare_process(log_path)
         self.rank, self.world = rank, world
         self.engine, resolved = _engine(config_yaml, "trainer", rank, "trainer", gpus)
         self.resolved = resolved
@@ -112,7 +225,8 @@ class TrainerHost:
         self.outgoing: dict[int, Any] = {}  # version -> its Outgoing (the newest two)
 
     def pid(self) -> int:
-        """This actor's process id (for operators, and the chaos tests' ``kill -9``)."""
+        """The rank's process id (for operators, and the chaos tests' ``kill -9``): this
+        actor's, or the forked host's (its death ends this actor too)."""
         return os.getpid()
 
     def ping(self) -> bool:
@@ -122,9 +236,13 @@ class TrainerHost:
         """``tcp://ip:port`` on this node for torch.distributed's rendezvous (rank 0)."""
         import ray
 
+        from laminar_core.net import free_port
+
         return f"tcp://{ray.util.get_node_ip_address()}:{free_port('')}"
 
     async def setup(self, init_method: str, options: dict) -> None:
+        from laminar_core.interfaces import TrainerContext
+
         ctx = TrainerContext(
             self.rank,
             self.world,
@@ -148,6 +266,8 @@ class TrainerHost:
     # --- the relay tier's trainer endpoint, on rank 0 ------------------------------------------
 
     async def push_open(self) -> Any:
+        from laminar_core.interfaces import BuildContext, build
+        from laminar_core.plugins import default_manager
         from laminar_core.relay.push import TrainerPush
 
         factory = default_manager().get("transport", self.cfg.relay.transport)

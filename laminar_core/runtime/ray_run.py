@@ -51,6 +51,7 @@ from laminar_core.runtime.ray_head import lean_head
 from laminar_core.runtime.relay_actor import RayRelay, relay_actor, spawn_relay
 from laminar_core.runtime.run import Run, Started
 from laminar_core.runtime.wiring import RunSpec, assemble, relay_tier_options
+from laminar_core.runtime.zygote import Zygote, start_zygote
 from laminar_core.tasks import build_prompts, build_reward
 
 log = logging.getLogger(__name__)
@@ -173,6 +174,52 @@ class RayRuntime:
         self._restarts: set[asyncio.Future] = set()
         self._retiring: set[asyncio.Future] = set()
         self._closing = False
+        self.zygote: Zygote | None = None  # runtime.zygote: this node's, while the run lasts
+        self.zygote_node = ""  # the Ray node it serves (the driver's)
+
+    # --- the zygote (runtime.zygote) -------------------------------------------------------------
+
+    def _start_zygote(self) -> None:
+        """Start the driver node's zygote now, while Ray starts, if the run may use it:
+        ``true``; ``auto`` unless the actors take GPUs (``runtime.device`` cuda, or auto on
+        a cluster with GPUs: then ``_keep_zygote`` closes it) or the cluster is reached
+        through Ray's client (the driver is on none of its nodes)."""
+        resolved = self.spec.resolved
+        rt = resolved.cfg.runtime
+        mode = rt.zygote
+        if mode == "false" or (
+            mode == "auto" and (rt.device == "cuda" or rt.address.startswith("ray://"))
+        ):
+            return
+        engines = {
+            ("rollout", resolved.cfg.rollout.engine),
+            ("trainer", resolved.cfg.trainer.engine),
+        }
+        if resolved.teacher is not None:
+            engines.add(("rollout", resolved.teacher.cfg.rollout.engine))
+        env = {k: os.environ.get(k, v) for k, v in WORKER_ENV.items()}
+        self.zygote = start_zygote(sorted(engines), env)
+
+    def _keep_zygote(self) -> None:
+        """Once Ray is up: the zygote serves the driver's node; ``auto`` drops it when the
+        actors take GPUs."""
+        if self.zygote is None:
+            return
+        if self.spec.resolved.cfg.runtime.zygote == "auto" and self.gpu:
+            self._close_zygote()
+            return
+        self.zygote_node = ray.get_runtime_context().get_node_id()
+
+    def _zygote_for(self, engine: str) -> tuple[str, str, str] | None:
+        """What a host actor gets to fork its engine's process from the zygote."""
+        if self.zygote is None or not self.zygote_node:
+            return None
+        return (self.zygote.path, self.zygote_node, engine)
+
+    def _close_zygote(self) -> None:
+        if self.zygote is not None:
+            self.zygote.close()
+            self.zygote = None
 
     # --- start ---------------------------------------------------------------------------------
 
@@ -234,9 +281,12 @@ class RayRuntime:
             where: Any = self._at(world + index)
         else:
             where = NodeAffinitySchedulingStrategy(self.replica_nodes[index], soft=False)
-        return self._rollout_host(self.config_yaml, index, f"r{index}", where, "replica")
+        engine = self.spec.resolved.cfg.rollout.engine
+        return self._rollout_host(self.config_yaml, index, f"r{index}", where, "replica", engine)
 
-    def _rollout_host(self, config_yaml: str, index: int, name: str, where: Any, kind: str):
+    def _rollout_host(
+        self, config_yaml: str, index: int, name: str, where: Any, kind: str, engine: str
+    ):
         """A ``RolloutHost`` actor serving ``config_yaml`` (a replica's or a teacher's)."""
         cfg = self.spec.resolved.cfg
         actor = (
@@ -248,7 +298,12 @@ class RayRuntime:
                 max_concurrency=1 << 16,  # one call per trajectory in flight (or scored)
             )
             .remote(
-                config_yaml, index, name, cfg.cluster.gpus_per_replica, self._log(f"{kind}-{name}")
+                config_yaml,
+                index,
+                name,
+                cfg.cluster.gpus_per_replica,
+                self._log(f"{kind}-{name}"),
+                self._zygote_for(engine),
             )
         )
         self.actors.append(actor)
@@ -261,10 +316,12 @@ class RayRuntime:
         assert teacher is not None
         bundle = self.spec.placement.trainer_gpus + self.spec.placement.replicas + index
         where = self._at(bundle)
-        return self._rollout_host(teacher.to_yaml(), index, f"t{index}", where, "teacher")
+        engine = teacher.cfg.rollout.engine
+        return self._rollout_host(teacher.to_yaml(), index, f"t{index}", where, "teacher", engine)
 
     def _trainer_actors(self) -> list[Any]:
         rt = self.spec.resolved.cfg.runtime
+        rt_engine = self.spec.resolved.cfg.trainer.engine
         world = self.spec.placement.trainer_gpus
         actors = [
             ray.remote(TrainerHost)
@@ -273,7 +330,14 @@ class RayRuntime:
                 num_gpus=1 if self.gpu else 0,
                 scheduling_strategy=self._at(rank),
             )
-            .remote(self.config_yaml, rank, world, int(self.gpu), self._log(f"trainer-rank{rank}"))
+            .remote(
+                self.config_yaml,
+                rank,
+                world,
+                int(self.gpu),
+                self._log(f"trainer-rank{rank}"),
+                self._zygote_for(rt_engine),
+            )
             for rank in range(world)
         ]
         self.actors += actors
@@ -302,14 +366,17 @@ class RayRuntime:
         needed += (place.replicas + self._teachers()) * rt.cpus_per_replica
         t0 = loop.time()
         try:
+            self._start_zygote()  # it imports the engines' modules while Ray starts
             self.own_cluster = init_ray(resolved, needed)
         except BaseException:
+            self._close_zygote()
             await asyncio.gather(data, return_exceptions=True)
             raise
         self.startup["ray"] = loop.time() - t0
         try:
             t0 = loop.time()
             await self._reserve()
+            self._keep_zygote()
             ranks = self._trainer_actors()
             replicas = self.replica_handles = [
                 self._replica_actor(i) for i in range(place.replicas)
@@ -477,6 +544,7 @@ class RayRuntime:
             with contextlib.suppress(Exception):
                 remove_placement_group(self.pg)
             self.pg = None
+        self._close_zygote()  # and what its children still run
         if self.shm_root:
             shutil.rmtree(self.shm_root, ignore_errors=True)
             # and the root (relay.shm_dir) once no run uses it: tmpfs is RAM, and an empty

@@ -66,6 +66,16 @@ T = TypeVar("T")
 class FSDPTrainerEngine(ModelTrainerEngine):
     Options = FSDPOptions
     trains_lora = True
+    # what a rank's process imports (``TrainerEngine.preload``): a zygote imports it once
+    preload = (
+        "torch",
+        "torch.distributed.checkpoint.state_dict",
+        "torch.distributed.device_mesh",
+        "torch.distributed.fsdp",
+        "torch.nn.attention.flex_attention",
+        "transformers",
+        "transformers.models.auto.modeling_auto",
+    )
 
     @classmethod
     def from_config(cls, ctx: BuildContext) -> FSDPTrainerEngine:

@@ -58,6 +58,18 @@ class VLLMRolloutEngine(RolloutEngine):
     ``own_process``: this process hosts only this engine (``BuildContext.own_process``)."""
 
     Options = VLLMOptions
+    # what a replica's process imports (``RolloutEngine.preload``): a zygote imports it once
+    preload = (
+        "torch",
+        "torch._dynamo",
+        "vllm",
+        "vllm.engine.arg_utils",
+        "vllm.inputs",
+        "vllm.sampling_params",
+        "vllm.v1.engine.async_llm",
+        "vllm.v1.engine.llm_engine",
+        "vllm.v1.metrics.loggers",
+    )
     hot_loads_lora = True  # trainer.lora: versions load as LoRARequests
     scores_tokens = True  # algorithm.teacher: prompt log-probs over given ids (``score``)
 
