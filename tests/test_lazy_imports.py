@@ -48,3 +48,11 @@ def test_a_run_without_agents_imports_no_gateway():
     )
     assert "laminar_core.runtime.hosts" in held
     assert not {"laminar_core.gateway", "fastapi"} & held
+
+
+def test_a_thin_host_actor_imports_no_engine():
+    """A host actor whose engine runs in a process forked from the zygote
+    (``runtime.zygote``) imports ``runtime.hosts`` and the zygote's client: neither may
+    pull in torch, transformers or vLLM (the seconds of CPU the zygote is there to save)."""
+    held = _modules_after("import laminar_core.runtime.hosts, laminar_core.runtime.zygote")
+    assert not {"torch", "transformers", "vllm"} & held
