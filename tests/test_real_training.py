@@ -63,6 +63,9 @@ def _kill_actors(run) -> None:
     for actor in run.runtime.actors:
         ray.kill(actor, no_restart=True)
     ray.util.remove_placement_group(run.runtime.pg)
+    # a crashed driver's zygote (runtime.zygote) dies with it (PR_SET_PDEATHSIG); this
+    # driver lives on, so it ends it as the crash would
+    run.runtime._close_zygote()
     # A crashed driver cannot remove what its replicas' engines had in /dev/shm (vLLM's
     # message queues); the test does, so that the machine is left clean.
     for engine in run.runtime.replica_engines:
@@ -86,28 +89,12 @@ def first_run(ray_cluster, tmp_path_factory):
         f"runtime.replica_cores={cores[-1]}",
     )
 
-    def actor_state(actor) -> tuple[str, bool, int, list[list[int]]]:
-        """(the actor's class, cyclic GC on, objects frozen, the cores of each of its
-        threads and of its process's children), run inside the actor (a local function: Ray
-        ships it by value, the actors cannot import this test module)."""
-        import contextlib
-        import gc
-        import os
-        from pathlib import Path
-
-        cores = []
-        for task in Path("/proc/self/task").iterdir():
-            with contextlib.suppress(OSError):  # a thread or a child that ended meanwhile
-                kids = (task / "children").read_text().split()
-                for pid in [int(task.name), *map(int, kids)]:
-                    cores.append(sorted(os.sched_getaffinity(pid)))
-        return type(actor).__name__, gc.isenabled(), gc.get_freeze_count(), cores
-
     async def go():
         run_dir = make_run_dir(resolved)
         run = await start_run(resolved, run_dir)
         # (vLLM's shutdown at the run's end unfreezes its heap again: look before that)
-        states = [ray.get(a.__ray_call__.remote(actor_state)) for a in run.runtime.actors]
+        # from each part's engine process (a host forked from the zygote answers from there)
+        states = [ray.get(a.process_state.remote()) for a in run.runtime.actors]
         run.controller.keep_batches = True
         await run.controller.run(3)
         _kill_actors(run)

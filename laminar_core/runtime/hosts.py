@@ -35,7 +35,7 @@ def _engine(config_yaml: str, kind: str, index: int, name: str, gpus: int) -> An
 
     from laminar_core.interfaces import BuildContext, build
     from laminar_core.plugins import default_manager
-    from laminar_core.runtime.ray_calls import pin_cores
+    from laminar_core.runtime.actor_process import pin_cores
     from laminar_core.runtime.resolve import resolve
 
     resolved = resolve(yaml.safe_load(config_yaml), source="driver")
@@ -52,7 +52,7 @@ def _engine(config_yaml: str, kind: str, index: int, name: str, gpus: int) -> An
 
 
 def _prepare_process(log_path: str | None) -> None:
-    from laminar_core.runtime.ray_calls import limit_threads, log_to
+    from laminar_core.runtime.actor_process import limit_threads, log_to
 
     log_to(log_path)
     limit_threads()
@@ -105,7 +105,7 @@ def _fork_host(
 
     if ray.get_runtime_context().get_node_id() != node:
         return False  # another node of the cluster: its actors start as without a zygote
-    from laminar_core.runtime.ray_calls import log_to
+    from laminar_core.runtime.actor_process import log_to
     from laminar_core.runtime.zygote import Forked, ZygoteUnavailable
 
     log_to(log_path)  # the child gets this process's output: the actor's log
@@ -151,7 +151,7 @@ class RolloutHost:
             return
         self._gc_was_on = hold_gc()  # until the engine has started (``startup_gc``)
         _prepare_process(log_path)
-        from laminar_core.runtime.ray_calls import detach_resource_tracker
+        from laminar_core.runtime.actor_process import detach_resource_tracker
 
         # before the engine starts processes: what they leave must outlive this actor
         detach_resource_tracker()
@@ -170,6 +170,12 @@ class RolloutHost:
         """The engine's process id (for operators, and the chaos tests' ``kill -9``): this
         actor's, or the forked host's (its death ends this actor too)."""
         return os.getpid()
+
+    def process_state(self) -> tuple[str, bool, int, list[list[int]]]:
+        """``(host class, *actor_process.process_state())`` of the engine's process."""
+        from laminar_core.runtime.actor_process import process_state
+
+        return (type(self).__name__, *process_state())
 
     def shm_files(self) -> list[str]:
         """Shared-memory files (``/dev/shm``) this actor's engine processes have mapped: what
@@ -231,6 +237,12 @@ class TrainerHost:
 
     def ping(self) -> bool:
         return True
+
+    def process_state(self) -> tuple[str, bool, int, list[list[int]]]:
+        """``(host class, *actor_process.process_state())`` of the engine's process."""
+        from laminar_core.runtime.actor_process import process_state
+
+        return (type(self).__name__, *process_state())
 
     def rendezvous(self) -> str:
         """``tcp://ip:port`` on this node for torch.distributed's rendezvous (rank 0)."""

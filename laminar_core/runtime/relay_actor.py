@@ -95,6 +95,12 @@ class RelayActor:
         """This actor's process id (for operators, and the chaos tests' ``kill -9``)."""
         return os.getpid()
 
+    def process_state(self) -> tuple[str, bool, int, list[list[int]]]:
+        """``(class, *actor_process.process_state())`` of this actor's process."""
+        from laminar_core.runtime.actor_process import process_state
+
+        return (type(self).__name__, *process_state())
+
 
 class RayRelay(RemoteRelay):
     """The driver's handle on a ``RelayActor`` (see module docstring)."""

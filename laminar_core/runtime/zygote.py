@@ -301,6 +301,9 @@ def _child(conn: socket.socket, fds: list[int], request: dict) -> None:
     host; serve its calls until the actor's connection closes."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    # collection as in any process (the zygote's was off for its imports): the host holds it
+    # off for its own start-up and turns it on after (``startup_gc``)
+    gc.enable()
     _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)  # the zygote went: so does this
     os.setpgid(0, 0)  # its own group: what it starts dies with it (``_watch``)
     devnull = os.open(os.devnull, os.O_RDONLY)
