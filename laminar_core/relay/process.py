@@ -25,6 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 from laminar_core.interfaces import WeightTransport
+from laminar_core.net import settle
 from laminar_core.relay.protocol import RelayDied
 from laminar_core.relay.remote import RemoteRelay
 from laminar_core.relay.server import RelayServer
@@ -167,13 +168,13 @@ class RelayProcess(RemoteRelay):
                 entry = self._pending.pop(rid, None)
             if entry is not None:
                 loop, fut = entry
-                loop.call_soon_threadsafe(_settle, fut, ok, value)
+                loop.call_soon_threadsafe(settle, fut, ok, value)
         self._died(f"process {self._proc.pid} exited")
         with self._lock:
             pending, self._pending = self._pending, {}
         err = RelayDied(f"relay {self.relay_id} (pid {self._proc.pid}) died")
         for loop, fut in pending.values():
-            loop.call_soon_threadsafe(_settle, fut, False, err)
+            loop.call_soon_threadsafe(settle, fut, False, err)
 
     async def _call(self, method: str, *args: Any) -> Any:
         self._check()
@@ -207,12 +208,3 @@ class RelayProcess(RemoteRelay):
             os.kill(self._proc.pid, signal.SIGKILL)
         self._proc.join(10)
         self._died("killed")
-
-
-def _settle(fut: asyncio.Future, ok: bool, value: Any) -> None:
-    if fut.done():
-        return
-    if ok:
-        fut.set_result(value)
-    else:
-        fut.set_exception(value)

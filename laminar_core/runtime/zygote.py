@@ -53,6 +53,8 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from laminar_core.net import settle
+
 log = logging.getLogger(__name__)
 
 _LEN = struct.Struct("!Q")
@@ -465,7 +467,7 @@ class Forked:
                 waiter = self._pending.get(rid)
                 if waiter is not None:
                     loop, fut = waiter
-                    loop.call_soon_threadsafe(_settle, fut, ok, value)
+                    loop.call_soon_threadsafe(settle, fut, ok, value)
         except BaseException:
             pass
         # the child is gone: so is this actor (Ray reports it dead; the run restarts it),
@@ -475,20 +477,11 @@ class Forked:
         if self._on_lost is not None:
             for loop, fut in list(self._pending.values()):
                 err = EOFError(f"the host process {self.pid} is gone")
-                loop.call_soon_threadsafe(_settle, fut, False, err)
+                loop.call_soon_threadsafe(settle, fut, False, err)
             self._on_lost()
             return
         print(f"laminar: the host process {self.pid} is gone; this actor exits", flush=True)
         os._exit(1)
-
-
-def _settle(fut: asyncio.Future, ok: bool, value: Any) -> None:
-    if fut.done():
-        return
-    if ok:
-        fut.set_result(value)
-    else:
-        fut.set_exception(value)
 
 
 def main(argv: list[str]) -> None:
