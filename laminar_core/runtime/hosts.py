@@ -13,7 +13,6 @@ import inspect
 import logging
 import os
 from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from laminar_core.runtime.startup_gc import hold_gc, release_gc
