@@ -51,7 +51,8 @@ Per arm (and seed), from ``metrics.jsonl`` rows (the TRL arm writes the same row
   after the warm-up steps, over the wall seconds that took (eval rounds included): on a
   machine whose cores are all busy, a schedule gains samples/s only by doing less work;
 - CPU seconds per 1k tokens, by part (ours): the same CPU seconds split into the replicas,
-  the trainer ranks, the relays and the rest (driver, Ray's daemons), over the tokens
+  the trainer ranks, the relays, the zygote (``runtime.zygote``: the engines' imports, once)
+  and the rest (driver, Ray's daemons), over the tokens
   generated in those steps (training and eval): where an arm's work goes, and which part
   of it a schedule makes cheaper (a replica decoding a fuller batch spends less per token).
 
@@ -377,8 +378,9 @@ def _cmd(arm: str, seed: int, model_dir: Path, work: Path, a: argparse.Namespace
     return cmd, env, name
 
 
-def _processes() -> list[tuple[int, str, int, float]]:
-    """(pid, name, session id, CPU seconds so far) of every process, from ``/proc``."""
+def _processes() -> list[tuple[int, str, int, float, int]]:
+    """(pid, name, session id, CPU seconds so far, parent pid) of every process, from
+    ``/proc``."""
     tick = os.sysconf("SC_CLK_TCK")
     out = []
     for d in os.listdir("/proc"):
@@ -390,14 +392,24 @@ def _processes() -> list[tuple[int, str, int, float]]:
             continue
         name, rest = raw[raw.index("(") + 1 : raw.rindex(")")], raw[raw.rindex(")") + 2 :]
         f = rest.split()
-        out.append((int(d), name, int(f[3]), (int(f[11]) + int(f[12])) / tick))  # utime+stime
+        # utime + stime
+        out.append((int(d), name, int(f[3]), (int(f[11]) + int(f[12])) / tick, int(f[1])))
     return out
 
 
 # which part of an arm a process is, by its name (``/proc/PID/stat``'s 15-character ``comm``:
-# Ray names an actor's process ``ray::<Class>``); the rest are the driver and Ray's daemons
-PART_OF = {"ray::RolloutHos": "replicas", "ray::TrainerHos": "trainer", "ray::RelayActor": "relay"}
-PARTS = ["replicas", "trainer", "relay", "driver_ray"]
+# Ray names an actor's process ``ray::<Class>``; a host forked from the zygote
+# (``runtime.zygote``) is named for its class, and the zygote ``laminar-zygote``); the rest
+# are the driver and Ray's daemons
+PART_OF = {
+    "ray::RolloutHos": "replicas",
+    "ray::TrainerHos": "trainer",
+    "ray::RelayActor": "relay",
+    "RolloutHost": "replicas",
+    "TrainerHost": "trainer",
+    "laminar-zygote": "zygote",
+}
+PARTS = ["replicas", "trainer", "relay", "zygote", "driver_ray"]
 
 
 class _Cpu:
@@ -424,8 +436,17 @@ class _Cpu:
             return
         self.next_at = time.monotonic() + 2.0
         alive, parts = False, dict.fromkeys(PARTS, 0.0)
-        for pid, name, sid, cpu in _processes():
-            if sid == arm_sid:
+        procs = _processes()
+        # the arm: its session, and what its processes started in sessions of their own
+        # (the zygote and the hosts it forks)
+        arm = {pid for pid, _, sid, _, _ in procs if sid == arm_sid}
+        grew = True
+        while grew:
+            new = {pid for pid, _, _, _, ppid in procs if ppid in arm and pid not in arm}
+            arm |= new
+            grew = bool(new)
+        for pid, name, sid, cpu, _ in procs:
+            if pid in arm:
                 alive = True
                 parts[PART_OF.get(name, "driver_ray")] += cpu
                 continue
@@ -798,7 +819,7 @@ def report(arms: dict[str, dict], target: float) -> tuple[dict, dict]:
                     [s["arm"], *(f"{s['cpu_seconds_per_1k_tokens'][k]:.3f}" for k in cols)]
                     for s in parts
                 ],
-                ["arm", "replicas", "trainer", "relay", "driver + Ray", "total"],
+                ["arm", "replicas", "trainer", "relay", "zygote", "driver + Ray", "total"],
             )
         )
     ratios: dict[str, dict] = {}

@@ -406,18 +406,16 @@ class RayRuntime:
                 RayRolloutEngine(f"r{i}", h) for i, h in enumerate(replicas)
             ]
             self.teacher_engines = [RayRolloutEngine(f"t{i}", h) for i, h in enumerate(teachers)]
+            phases = [
+                self._timed("trainer", trainer.setup()),
+                self._timed("replicas", asyncio.gather(*(e.start() for e in engines))),
+                self._timed("relays", self._relays_up(tier)),
+            ]
+            if self.teacher_engines:  # a phase of the start-up line only with a teacher
+                starts = (e.start() for e in self.teacher_engines)
+                phases.append(self._timed("teachers", asyncio.gather(*starts)))
             try:
-                await _with_timeout(
-                    asyncio.gather(
-                        self._timed("trainer", trainer.setup()),
-                        self._timed("replicas", asyncio.gather(*(e.start() for e in engines))),
-                        self._timed(
-                            "teachers", asyncio.gather(*(e.start() for e in self.teacher_engines))
-                        ),
-                        self._timed("relays", self._relays_up(tier)),
-                    ),
-                    rt.start_timeout_s,
-                )
+                await _with_timeout(asyncio.gather(*phases), rt.start_timeout_s)
             except Exception as e:
                 raise RuntimeStartError(
                     f"the trainer group, a replica or a relay failed to start: {e}"
