@@ -478,7 +478,7 @@ def test_stop_removes_the_shared_memory_root_once_empty(tmp_path: Path) -> None:
     def stop(run_dir: Path) -> None:
         rt = RayRuntime.__new__(RayRuntime)  # only what _release touches
         rt.actors, rt.pg, rt.shm_root, rt.replica_engines = [], None, str(run_dir), []
-        rt.teacher_engines, rt.teacher_nodes = [], []
+        rt.teacher_engines, rt.teacher_nodes, rt.zygote = [], [], None
         (run_dir / "relay0").mkdir(parents=True)
         (run_dir / "relay0" / "v3.bin").write_bytes(b"w")
         rt._release()
